@@ -1,0 +1,1 @@
+"""Datamodules: ``chars`` (real text), ``synthetic`` (seeded regression)."""

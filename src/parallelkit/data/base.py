@@ -1,0 +1,87 @@
+"""What every parallelkit datamodule shares: the batch plan and the data-parallel sampler."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+from torch.utils.data import DataLoader, Dataset
+
+from parallelkit.data.batching import BatchPlan
+from parallelkit.data.sampler import DataParallelBatchSampler
+from parallelkit.errors import ConfigError
+
+
+class DataParallelDataModule(pl.LightningDataModule):
+    """Base datamodule: subclasses build ``self.train_set``/``self.val_set`` in :meth:`build`.
+
+    The batch plan is resolved by :meth:`configure` (called by ``parallelkit.run`` before any process
+    starts), and the loaders shard by the strategy's data-parallel rank, not the global rank.
+    """
+
+    def __init__(
+        self,
+        global_batch_size: int | None = None,
+        per_device_batch_size: int | None = None,
+        val_batch_size: int | None = None,
+        seed: int = 0,
+        num_workers: int = 0,
+    ) -> None:
+        super().__init__()
+        self.global_batch_size = global_batch_size
+        self.per_device_batch_size = per_device_batch_size
+        self.val_batch_size = val_batch_size
+        self.seed = seed
+        self.num_workers = num_workers
+        self.plan: BatchPlan | None = None
+        self.train_set: Dataset | None = None
+        self.val_set: Dataset | None = None
+
+    # Subclasses -------------------------------------------------------------
+    def build(self) -> None:
+        """Create ``train_set`` and ``val_set``; raise :class:`ConfigError` for unusable input."""
+        raise NotImplementedError
+
+    def model_kwargs(self) -> dict[str, Any]:
+        """Constructor arguments the model takes from the data (vocabulary size, feature sizes)."""
+        return {}
+
+    # Shared -----------------------------------------------------------------
+    def configure(self, data_parallel_size: int, accumulate: int) -> BatchPlan:
+        """Resolve the batch plan for this run and build the data sets. Safe to call more than once."""
+        self.plan = BatchPlan.resolve(
+            global_batch_size=self.global_batch_size,
+            per_device_batch_size=self.per_device_batch_size,
+            data_parallel_size=data_parallel_size,
+            accumulate=accumulate,
+        )
+        if self.train_set is None:
+            self.build()
+        if len(self.train_set) < self.plan.global_batch_size:
+            raise ConfigError(
+                f"The training set has {len(self.train_set)} samples, fewer than one global batch of "
+                f"{self.plan.global_batch_size}. Use a smaller data.global_batch_size or a larger data set."
+            )
+        return self.plan
+
+    def _data_parallel_rank(self) -> int:
+        kwargs = getattr(self.trainer.strategy, "distributed_sampler_kwargs", None) or {}
+        size = kwargs.get("num_replicas", 1)
+        if self.plan is None or size != self.plan.data_parallel_size:
+            raise ConfigError(
+                f"The strategy shards data over {size} data-parallel ranks, but the batch plan was made for "
+                f"{None if self.plan is None else self.plan.data_parallel_size}. Let parallelkit.run build the "
+                "run, or call datamodule.configure(data_parallel_size, accumulate) yourself."
+            )
+        return kwargs.get("rank", 0)
+
+    def train_dataloader(self) -> DataLoader:
+        sampler = DataParallelBatchSampler(len(self.train_set), self.plan, self._data_parallel_rank(), self.seed)
+        return DataLoader(self.train_set, batch_sampler=sampler, num_workers=self.num_workers)
+
+    def val_dataloader(self) -> DataLoader:
+        rank = self._data_parallel_rank()
+        micro = self.val_batch_size or self.plan.micro_batch_size * self.plan.accumulate
+        plan = BatchPlan(micro * self.plan.data_parallel_size, micro, self.plan.data_parallel_size, 1)
+        sampler = DataParallelBatchSampler(len(self.val_set), plan, rank, self.seed, shuffle=False)
+        return DataLoader(self.val_set, batch_sampler=sampler, num_workers=self.num_workers)

@@ -1,0 +1,67 @@
+"""A deterministic batch sampler sharded by the data-parallel rank only.
+
+Lightning's automatic ``DistributedSampler`` always shuffles with its own seed and shards by global rank;
+exact comparisons with one process need more: one global order of samples per epoch (from ``seed`` and
+the epoch), cut into global batches, and each global batch cut into ``accumulate`` chunks of
+``data_parallel_size × micro`` samples, of which this rank takes its slice. One process with the same
+global batch sees exactly the same samples in every optimizer step. Ranks that differ only in their
+tensor- or pipeline-parallel coordinate get the same data-parallel rank, hence the same batches.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from torch.utils.data import Sampler
+
+from parallelkit.data.batching import BatchPlan
+
+
+class DataParallelBatchSampler(Sampler[list[int]]):
+    """Yields this rank's micro-batches (lists of indices) in the global order.
+
+    Args:
+        num_samples: size of the dataset.
+        plan: the batch sizes (global, micro, data-parallel size, accumulation).
+        rank: this process's data-parallel rank.
+        seed: base seed; epoch ``e`` uses ``seed + e``.
+        shuffle: permute the samples each epoch (training) or keep their order (validation).
+
+    Example::
+
+        sampler = DataParallelBatchSampler(len(ds), plan, rank=dp_rank, seed=0)
+        loader = DataLoader(ds, batch_sampler=sampler)
+    """
+
+    def __init__(self, num_samples: int, plan: BatchPlan, rank: int, seed: int = 0, shuffle: bool = True) -> None:
+        if not 0 <= rank < plan.data_parallel_size:
+            raise ValueError(f"rank {rank} is outside {plan.data_parallel_size} data-parallel ranks")
+        self.num_samples = num_samples
+        self.plan = plan
+        self.rank = rank
+        self.seed = seed
+        self.shuffle = shuffle
+        self.epoch = 0
+        # Incomplete global batches are dropped: every optimizer step sees the full global batch.
+        self.steps_per_epoch = num_samples // plan.global_batch_size
+
+    def set_epoch(self, epoch: int) -> None:
+        """Called by Lightning's fit loop at the start of each epoch."""
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return self.steps_per_epoch * self.plan.accumulate
+
+    def __iter__(self) -> Iterator[list[int]]:
+        if self.shuffle:
+            generator = torch.Generator().manual_seed(self.seed + self.epoch)
+            order = torch.randperm(self.num_samples, generator=generator).tolist()
+        else:
+            order = list(range(self.num_samples))
+        plan = self.plan
+        chunk = plan.micro_batch_size * plan.data_parallel_size
+        for step in range(self.steps_per_epoch):
+            for accum in range(plan.accumulate):
+                start = step * plan.global_batch_size + accum * chunk + self.rank * plan.micro_batch_size
+                yield order[start : start + plan.micro_batch_size]

@@ -1,0 +1,177 @@
+"""All parallel degrees of a run, validated in one place, and the named device mesh built from them.
+
+Every strategy goes through :class:`ParallelDims`: a plain DDP run is ``dp = world``, a 4D run is
+``pp × dp × sharding × tp``. Expert parallelism (``ep``) is not a mesh axis of its own: experts are
+spread over a slice of the data-parallel ranks (``dp × sharding``), so ``ep`` must divide that product.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from parallelkit.errors import ConfigError
+
+# Mesh axis names: the only spelling used anywhere in parallelkit.
+PP = "pp"
+DP = "dp"
+SHARDING = "sharding"
+TP = "tp"
+EP = "ep"
+
+MESH_AXES = (PP, DP, SHARDING, TP)
+# Outermost → innermost. The innermost axis gets adjacent ranks (same node, fastest links), so tensor
+# parallel (the heaviest traffic) goes last and pipeline parallel (light point-to-point traffic) first.
+DEFAULT_MESH_ORDER = (PP, DP, SHARDING, TP)
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """Resolved parallel degrees for ``world_size`` processes.
+
+    Use :meth:`from_degrees` to resolve a ``-1`` ("the remaining ranks") and validate; the
+    constructor validates already-resolved degrees.
+
+    Args:
+        world_size: number of processes in the job.
+        dp: data-parallel replicas (full copies of the model state).
+        sharding: ranks that shard the model state inside one replica group (ZeRO / FSDP).
+        tp: tensor-parallel degree.
+        pp: pipeline stages.
+        ep: expert-parallel degree; divides ``dp × sharding``.
+        mesh_order: axis order of the device mesh, outermost first.
+
+    Example::
+
+        dims = ParallelDims.from_degrees(8, dp=-1, tp=2, pp=2)   # dp = 2
+        mesh = dims.build_mesh("cpu")
+        dp_group = mesh.get_group("dp")
+    """
+
+    world_size: int
+    dp: int = 1
+    sharding: int = 1
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    mesh_order: tuple[str, ...] = field(default=DEFAULT_MESH_ORDER)
+
+    @classmethod
+    def from_degrees(
+        cls,
+        world_size: int,
+        *,
+        dp: int = -1,
+        sharding: int = 1,
+        tp: int = 1,
+        pp: int = 1,
+        ep: int = 1,
+        mesh_order: tuple[str, ...] | list[str] = DEFAULT_MESH_ORDER,
+    ) -> ParallelDims:
+        """Resolve at most one ``-1`` among ``dp, sharding, tp, pp`` to the remaining ranks, then validate."""
+        _check_positive_int("world_size", world_size)
+        degrees = {DP: dp, SHARDING: sharding, TP: tp, PP: pp}
+        for name, value in degrees.items():
+            if not isinstance(value, int) or isinstance(value, bool) or (value < 1 and value != -1):
+                raise ConfigError(f"strategy.{name} must be a positive integer or -1 (the remaining ranks). Got {value!r}.")
+        free = [name for name, value in degrees.items() if value == -1]
+        if len(free) > 1:
+            raise ConfigError(
+                f"Only one of dp, sharding, tp, pp may be -1 (the remaining ranks); got -1 for {', '.join(free)}. "
+                "Set all but one of them explicitly."
+            )
+        if free:
+            fixed = math.prod(v for v in degrees.values() if v != -1)
+            if world_size % fixed:
+                raise ConfigError(
+                    f"{_product_text(degrees, skip=free[0])} = {fixed} does not divide the {world_size} processes, "
+                    f"so strategy.{free[0]}=-1 cannot take the remaining ranks. Pick degrees whose product divides "
+                    f"{world_size}, or change trainer.devices."
+                )
+            degrees[free[0]] = world_size // fixed
+        return cls(world_size=world_size, ep=ep, mesh_order=tuple(mesh_order), **degrees)
+
+    def __post_init__(self) -> None:
+        _check_positive_int("world_size", self.world_size)
+        for name in (DP, SHARDING, TP, PP, EP):
+            _check_positive_int(f"strategy.{name}", getattr(self, name))
+        product = self.dp * self.sharding * self.tp * self.pp
+        if product != self.world_size:
+            raise ConfigError(
+                f"{_product_text(self.degrees)} = {product}, but {self.world_size} processes were started. "
+                f"The degrees must multiply to the number of processes (trainer.devices × trainer.num_nodes); "
+                f"set one of them to -1 to take the remaining ranks."
+            )
+        if (self.dp * self.sharding) % self.ep:
+            raise ConfigError(
+                f"strategy.ep={self.ep} must divide dp({self.dp}) × sharding({self.sharding}) = "
+                f"{self.dp * self.sharding}: experts are spread over data-parallel ranks."
+            )
+        if sorted(self.mesh_order) != sorted(MESH_AXES):
+            raise ConfigError(
+                f"mesh_order must be a permutation of {list(MESH_AXES)}; got {list(self.mesh_order)}."
+            )
+
+    # ------------------------------------------------------------------ views
+    @property
+    def degrees(self) -> dict[str, int]:
+        """The mesh degrees in canonical order (``dp, sharding, tp, pp``)."""
+        return {DP: self.dp, SHARDING: self.sharding, TP: self.tp, PP: self.pp}
+
+    def as_dict(self) -> dict[str, int]:
+        """All five degrees, as written to ``summary.json``."""
+        return {DP: self.dp, SHARDING: self.sharding, TP: self.tp, PP: self.pp, EP: self.ep}
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Ranks that see different data: replicas × shards."""
+        return self.dp * self.sharding
+
+    @property
+    def mesh_shape(self) -> tuple[int, ...]:
+        return tuple(getattr(self, axis) for axis in self.mesh_order)
+
+    def coordinates(self, rank: int) -> dict[str, int]:
+        """This rank's index along every mesh axis (row-major over ``mesh_order``), plus its ``ep`` index."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} is outside a world of {self.world_size}")
+        coords: dict[str, int] = {}
+        rest = rank
+        for axis, size in zip(reversed(self.mesh_order), reversed(self.mesh_shape)):
+            coords[axis] = rest % size
+            rest //= size
+        coords[EP] = self.data_parallel_rank(rank, coords) % self.ep
+        return {axis: coords[axis] for axis in (DP, SHARDING, TP, PP, EP)}
+
+    def data_parallel_rank(self, rank: int, coords: dict[str, int] | None = None) -> int:
+        """Index of this rank's data shard: ranks that differ only in ``tp``/``pp`` read the same batch."""
+        coords = coords if coords is not None else self.coordinates(rank)
+        return coords[DP] * self.sharding + coords[SHARDING]
+
+    # ------------------------------------------------------------------ mesh
+    def build_mesh(self, device_type: str):
+        """Build the named :class:`~torch.distributed.device_mesh.DeviceMesh` (all four axes, size-1 ones too).
+
+        Every axis is always present so code can ask for ``mesh["tp"]`` without checking whether tensor
+        parallelism is on. Requires an initialised default process group of ``world_size`` ranks.
+        """
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+
+        if not dist.is_initialized():
+            raise RuntimeError("ParallelDims.build_mesh needs an initialised default process group")
+        if dist.get_world_size() != self.world_size:
+            raise ConfigError(
+                f"The process group has {dist.get_world_size()} ranks but the parallel degrees were planned for "
+                f"{self.world_size}."
+            )
+        return init_device_mesh(device_type, self.mesh_shape, mesh_dim_names=tuple(self.mesh_order))
+
+
+def _check_positive_int(name: str, value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ConfigError(f"{name} should be an int greater than 0. Got {value!r}.")
+
+
+def _product_text(degrees: dict[str, int], skip: str | None = None) -> str:
+    return " × ".join(f"{name}({value})" for name, value in degrees.items() if name != skip)

@@ -1,0 +1,3 @@
+from parallelkit.models.mlp.model import MLP
+
+__all__ = ["MLP"]

@@ -1,0 +1,150 @@
+"""Build a run from the composed config, validate it before any process starts, fit, write the summary.
+
+The order matters: every check that can fail on bad input (strategy degrees against the world size,
+batch divisibility, the corpus, model arguments) runs here in the launching process, before Lightning
+starts the other ranks, so bad input costs one clear message and nothing half-written.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from hydra.errors import InstantiationException
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+
+from parallelkit.errors import ConfigError
+
+# Environment variables Lightning's launcher sets for a job; a sweep's next job must start without them.
+_LAUNCH_ENV = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE", "PL_GLOBAL_SEED")
+
+
+def build(node: Any, what: str, **kwargs: Any) -> Any:
+    """``hydra.utils.instantiate`` with errors turned into a one-paragraph :class:`ConfigError`."""
+    try:
+        return instantiate(node, **kwargs)
+    except InstantiationException as err:
+        cause = err.__cause__
+        if isinstance(cause, ConfigError):
+            raise cause from None
+        raise ConfigError(f"Could not build {what} from {OmegaConf.to_container(node) if isinstance(node, DictConfig) else node}: {cause or err}") from None
+
+
+def resolve_accelerator(requested: str) -> str:
+    if requested in (None, "auto"):
+        return "gpu" if torch.cuda.is_available() else "cpu"
+    if requested in ("gpu", "cuda"):
+        if not torch.cuda.is_available():
+            raise ConfigError(f"trainer.accelerator={requested} but this machine has no CUDA device. Use trainer.accelerator=cpu (or auto).")
+        return "gpu"
+    if requested != "cpu":
+        raise ConfigError(f"trainer.accelerator must be cpu, gpu or auto. Got {requested!r}.")
+    return "cpu"
+
+
+def resolve_devices(requested: Any, strategy: Any, accelerator: str) -> int:
+    """Processes per node: ``trainer.devices``, else the launcher's (torchrun/SLURM), else the strategy's default."""
+    external = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("SLURM_NTASKS_PER_NODE")
+    if requested is None:
+        return int(external) if external else strategy.default_devices(accelerator)
+    if not isinstance(requested, int) or isinstance(requested, bool) or requested < 1:
+        raise ConfigError(f"trainer.devices should be an int greater than 0 (processes per node) or null. Got {requested!r}.")
+    if accelerator == "gpu" and requested > torch.cuda.device_count():
+        raise ConfigError(f"trainer.devices={requested}, but this machine has {torch.cuda.device_count()} GPU(s).")
+    if external and int(external) != requested:
+        raise ConfigError(
+            f"trainer.devices={requested}, but the launcher started {external} processes per node. "
+            "Leave trainer.devices unset under torchrun/SLURM, or make them agree."
+        )
+    return requested
+
+
+def output_dir(cfg: DictConfig) -> Path:
+    from hydra.core.hydra_config import HydraConfig
+
+    if HydraConfig.initialized():
+        return Path(HydraConfig.get().runtime.output_dir)
+    return Path(cfg.get("output_dir") or ".")
+
+
+def run(cfg: DictConfig) -> dict[str, Any] | None:
+    """Train as ``cfg`` says; return the summary on rank 0 (``None`` elsewhere)."""
+    saved_env = {k: os.environ.get(k) for k in _LAUNCH_ENV}
+    finished = False
+    try:
+        result = _run(cfg)
+        finished = True
+        return result
+    finally:
+        # After a failure the other ranks may never reach a barrier: tear down without one.
+        _teardown_process_group(barrier=finished)
+        for key, value in saved_env.items():  # the next job of a sweep starts clean
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def _run(cfg: DictConfig) -> dict[str, Any] | None:
+    import lightning.pytorch as pl
+    from lightning.fabric.utilities.exceptions import MisconfigurationException
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.loggers import CSVLogger
+
+    from parallelkit.callbacks.run_summary import RunSummary
+    from parallelkit.models.module import TrainModule
+
+    out = output_dir(cfg)
+    trainer_cfg = OmegaConf.to_container(cfg.trainer, resolve=True)
+    pl.seed_everything(cfg.seed, workers=True, verbose=False)
+
+    strategy = build(cfg.strategy, "the strategy (strategy=...)")
+    accelerator = resolve_accelerator(trainer_cfg.pop("accelerator", "auto"))
+    if hasattr(strategy, "bind_accelerator"):
+        strategy.bind_accelerator(accelerator)
+    devices = resolve_devices(trainer_cfg.pop("devices", None), strategy, accelerator)
+    num_nodes = trainer_cfg.pop("num_nodes", 1)
+    dims = strategy.plan(devices * num_nodes)
+
+    datamodule = build(cfg.data, "the data module (data=...)")
+    plan = datamodule.configure(dims.data_parallel_size, trainer_cfg.get("accumulate_grad_batches", 1))
+    # Same seed on every rank → identical initial weights (DDP also broadcasts them from rank 0).
+    pl.seed_everything(cfg.seed, workers=True, verbose=False)
+    model = build(cfg.model, "the model (model=...)", **datamodule.model_kwargs())
+    module = TrainModule(model, build(cfg.optim.optimizer, "the optimizer (optim=...)"), **OmegaConf.to_container(cfg.optim.schedule, resolve=True))
+
+    summary = RunSummary(out, plan.global_batch_size, sum(p.numel() for p in model.parameters()))
+    checkpoint = ModelCheckpoint(dirpath=out / "checkpoints", save_last=True, every_n_train_steps=cfg.checkpoint.every_n_steps, save_top_k=cfg.checkpoint.save_top_k)
+    callbacks = [build(node, f"callback {name!r}") for name, node in (cfg.get("callbacks") or {}).items()]
+    try:
+        trainer = pl.Trainer(
+            strategy=strategy,
+            accelerator=accelerator,
+            devices=devices,
+            num_nodes=num_nodes,
+            callbacks=[*callbacks, checkpoint, summary],
+            logger=CSVLogger(save_dir=out, name="", version=""),
+            default_root_dir=out,
+            use_distributed_sampler=False,  # the datamodule shards by the data-parallel rank itself
+            **trainer_cfg,
+        )
+    except (MisconfigurationException, TypeError) as err:
+        raise ConfigError(f"The trainer settings do not work together: {err}") from None
+    ckpt_path = cfg.get("ckpt_path")
+    trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
+    return summary.summary if trainer.is_global_zero else None
+
+
+def _teardown_process_group(barrier: bool) -> None:
+    """Leave no process group behind: a sweep runs its next job in this process."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        try:
+            if barrier:
+                dist.barrier()
+        finally:
+            dist.destroy_process_group()

@@ -1,0 +1,91 @@
+"""What every parallelkit strategy offers on top of Lightning's: planned degrees, a mesh, counted traffic.
+
+A strategy *plans* before any process starts (``plan(world_size, accelerator)`` validates the degrees
+and returns :class:`ParallelDims`), and builds its mesh once the process group exists. Callbacks and
+``parallelkit.run`` ask these capabilities, never the strategy's type.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from parallelkit.distributed.comm_stats import CommStats
+from parallelkit.distributed.parallel_dims import ParallelDims
+from parallelkit.errors import ConfigError
+
+METRICS = "metrics"
+
+
+class ParallelKitStrategyMixin:
+    """Mixed into each parallelkit strategy before its Lightning base class."""
+
+    #: the name used by ``strategy=NAME`` and written to ``summary.json``.
+    strategy_name: str = "?"
+    #: the largest world the strategy can use (None: any).
+    max_world_size: int | None = None
+
+    def _init_parallelkit(self) -> None:
+        self.comm_stats = CommStats()
+        self._parallel_dims: ParallelDims | None = None
+        self.device_mesh = None
+
+    # ---------------------------------------------------------------- planning (before launch)
+    def default_devices(self, accelerator: str) -> int:
+        """Processes per node when ``trainer.devices`` is not set."""
+        return 1
+
+    def plan(self, world_size: int) -> ParallelDims:
+        """Validate the requested degrees for ``world_size`` processes (raises :class:`ConfigError`)."""
+        if self.max_world_size is not None and world_size > self.max_world_size:
+            raise ConfigError(
+                f"strategy={self.strategy_name} runs at most {self.max_world_size} process(es), but "
+                f"trainer.devices × trainer.num_nodes = {world_size}. Use trainer.devices=1, or a distributed "
+                "strategy such as strategy=ddp."
+            )
+        return self._requested_dims(world_size)
+
+    def _requested_dims(self, world_size: int) -> ParallelDims:
+        return ParallelDims.from_degrees(world_size, dp=-1)
+
+    @property
+    def parallel_dims(self) -> ParallelDims:
+        if self._parallel_dims is None:
+            self._parallel_dims = self.plan(self.world_size)
+        return self._parallel_dims
+
+    # ---------------------------------------------------------------- run-time capabilities
+    def global_mean(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Mean of a per-rank metric over all ranks (counted as ``metrics`` traffic)."""
+        return self._counted_reduce(tensor, "mean")
+
+    def global_max(self, tensor: torch.Tensor) -> torch.Tensor:
+        return self._counted_reduce(tensor, "max")
+
+    def _counted_reduce(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
+        if self.world_size > 1:
+            self.comm_stats.record(METRICS, tensor)
+        return self.reduce(tensor.clone(), reduce_op=op)
+
+    def model_state_bytes(self) -> dict[str, int]:
+        """Bytes of parameters, gradients and optimizer state that this rank holds right now."""
+        return model_state_bytes(self.lightning_module, self.optimizers)
+
+
+def _local_bytes(tensor: torch.Tensor) -> int:
+    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor  # DTensor: this rank's shard
+    return local.numel() * local.element_size()
+
+
+def model_state_bytes(module: torch.nn.Module | None, optimizers: list[Any]) -> dict[str, int]:
+    params = list(module.parameters()) if module is not None else []
+    state = 0
+    for optimizer in optimizers:
+        for per_param in optimizer.state.values():
+            state += sum(_local_bytes(v) for v in per_param.values() if isinstance(v, torch.Tensor))
+    return {
+        "params": sum(_local_bytes(p) for p in params),
+        "grads": sum(_local_bytes(p.grad) for p in params if p.grad is not None),
+        "optimizer": state,
+    }

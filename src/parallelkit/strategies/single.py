@@ -1,0 +1,37 @@
+"""One process, one device: the reference every exact strategy is compared against."""
+
+from __future__ import annotations
+
+import torch
+from lightning.pytorch.strategies import SingleDeviceStrategy
+
+from parallelkit.distributed.parallel_dims import ParallelDims
+from parallelkit.strategies.base import ParallelKitStrategyMixin
+
+
+class SingleStrategy(ParallelKitStrategyMixin, SingleDeviceStrategy):
+    """Train in this process on one device (``cuda:0`` when the accelerator is a GPU, else the CPU).
+
+    Args:
+        device: the device; ``None`` picks it from the accelerator.
+
+    Example::
+
+        Trainer(strategy=SingleStrategy(), devices=1)
+    """
+
+    strategy_name = "single"
+    max_world_size = 1
+
+    def __init__(self, device: str | None = None) -> None:
+        super().__init__(device=device or "cpu")
+        self._init_parallelkit()
+        self._device_given = device is not None
+
+    def bind_accelerator(self, accelerator: str) -> None:
+        """Pick the device for ``trainer.accelerator`` unless one was given explicitly."""
+        if not self._device_given:
+            self._root_device = torch.device("cuda", 0) if accelerator == "gpu" else torch.device("cpu")
+
+    def _requested_dims(self, world_size: int) -> ParallelDims:
+        return ParallelDims(world_size=1)
