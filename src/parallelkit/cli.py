@@ -13,6 +13,7 @@ from omegaconf import DictConfig, OmegaConf
 from parallelkit.errors import ConfigError
 
 EXIT_CONFIG_ERROR = 2
+EXIT_PEER_FAILURE = 3
 
 
 def run_name(override_dirname: str) -> str:
@@ -34,6 +35,28 @@ def run_or_explain(cfg: DictConfig) -> None:
     except ConfigError as err:
         print(f"parallelkit: error: {err}", file=sys.stderr, flush=True)
         raise SystemExit(EXIT_CONFIG_ERROR) from None
+    except RuntimeError as err:
+        if not is_peer_failure(err):
+            raise
+        first_line = str(err).strip().splitlines()[0]
+        print(
+            f"parallelkit: error: a collective failed because another rank stopped or timed out ({first_line}). "
+            "Look at the other ranks' logs in the run directory for the first failure; strategy.timeout_s sets how "
+            "long ranks wait for each other.",
+            file=sys.stderr,
+            flush=True,
+        )
+        raise SystemExit(EXIT_PEER_FAILURE) from None
+
+
+def is_peer_failure(err: BaseException) -> bool:
+    """A collective that failed because of another process, not a bug in this one."""
+    import torch.distributed as dist
+
+    text = str(err)
+    return isinstance(err, dist.DistError) or any(
+        marker in text for marker in ("Connection closed by peer", "Connection reset by peer", "Timed out", "timed out", "Socket Timeout")
+    )
 
 
 def exit_after(main: Callable[[], None]) -> None:

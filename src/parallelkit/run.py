@@ -30,7 +30,8 @@ def build(node: Any, what: str, **kwargs: Any) -> Any:
         cause = err.__cause__
         if isinstance(cause, ConfigError):
             raise cause from None
-        raise ConfigError(f"Could not build {what} from {OmegaConf.to_container(node) if isinstance(node, DictConfig) else node}: {cause or err}") from None
+        target = node.get("_target_") if isinstance(node, DictConfig) else node
+        raise ConfigError(f"Could not build {what} ({target}): {cause or err}") from None
 
 
 def resolve_accelerator(requested: str) -> str:
@@ -60,6 +61,33 @@ def resolve_devices(requested: Any, strategy: Any, accelerator: str) -> int:
             "Leave trainer.devices unset under torchrun/SLURM, or make them agree."
         )
     return requested
+
+
+def check_model_fits_data(cfg: DictConfig, data_kwargs: dict[str, Any]) -> None:
+    """The model takes its sizes from the data (vocabulary, features): both must speak of the same ones."""
+    import inspect
+
+    from hydra.utils import get_class
+
+    try:
+        params = inspect.signature(get_class(cfg.model._target_)).parameters
+    except Exception:  # noqa: BLE001 - an unloadable target is reported by build()
+        return
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return
+    missing = sorted(set(data_kwargs) - set(params))
+    if missing:
+        raise ConfigError(
+            f"model={_choice('model')} does not fit data={_choice('data')}: the data provides {sorted(data_kwargs)}, "
+            f"but the model takes no {missing}. Pair gpt with chars and mlp with synthetic "
+            "(e.g. `model=mlp data=synthetic`, or `+experiment=mlp_regression`)."
+        )
+
+
+def _choice(group: str) -> str:
+    from hydra.core.hydra_config import HydraConfig
+
+    return HydraConfig.get().runtime.choices.get(group, "?") if HydraConfig.initialized() else "?"
 
 
 def output_dir(cfg: DictConfig) -> Path:
@@ -113,6 +141,7 @@ def _run(cfg: DictConfig) -> dict[str, Any] | None:
     plan = datamodule.configure(dims.data_parallel_size, trainer_cfg.get("accumulate_grad_batches", 1))
     # Same seed on every rank → identical initial weights (DDP also broadcasts them from rank 0).
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
+    check_model_fits_data(cfg, datamodule.model_kwargs())
     model = build(cfg.model, "the model (model=...)", **datamodule.model_kwargs())
     module = TrainModule(model, build(cfg.optim.optimizer, "the optimizer (optim=...)"), **OmegaConf.to_container(cfg.optim.schedule, resolve=True))
 

@@ -1,0 +1,20 @@
+"""A callback that kills one rank mid-training, for the failure-path tests (imported via PYTHONPATH)."""
+
+import os
+import sys
+
+from lightning.pytorch.callbacks import Callback
+
+
+class KillRank(Callback):
+    """Exit the process of global rank ``rank`` abruptly (no cleanup) once ``at_step`` steps are done."""
+
+    def __init__(self, rank: int, at_step: int, exit_code: int = 13) -> None:
+        self.rank = rank
+        self.at_step = at_step
+        self.exit_code = exit_code
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_rank == self.rank and trainer.global_step >= self.at_step:
+            print(f"fault_injection: killing rank {self.rank} at step {trainer.global_step}", file=sys.stderr, flush=True)
+            os._exit(self.exit_code)

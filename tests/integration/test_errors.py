@@ -1,0 +1,70 @@
+"""Bad input gets one clear paragraph and a non-zero exit code, before any process starts and without
+writing a summary; a rank that dies takes the job down quickly, with no process left behind."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from test_train import TINY, train
+
+HERE = Path(__file__).resolve().parent
+
+BAD_INPUT = [
+    # (overrides, exit code, words the message must contain)
+    (["strategy=nope"], 1, ["strategy", "Available options", "ddp", "single"]),
+    (["model=nope"], 1, ["model", "gpt", "mlp"]),
+    (["data=nope"], 1, ["data", "chars", "synthetic"]),
+    (["strategy=single", "trainer.devices=2"], 2, ["strategy=single", "trainer.devices", "strategy=ddp"]),
+    (["strategy=ddp", "trainer.devices=2", "data.global_batch_size=9"], 2, ["data.global_batch_size=9", "2 data-parallel ranks", "multiple of 2"]),
+    (["strategy=ddp", "trainer.devices=2", "strategy.dp=3"], 2, ["dp(3)", "sharding(1)", "tp(1)", "pp(1)", "2 processes"]),
+    (["data.source=files", "data.files=[/nonexistent/corpus.txt]"], 2, ["/nonexistent/corpus.txt", "does not exist"]),
+    (["data.source=files", "data.files=[EMPTY]"], 2, ["empty or too short"]),
+    (["data.global_batch_size=8", "data.per_device_batch_size=4"], 2, ["exactly one of data.global_batch_size"]),
+    (["NO_TINY", "model=gpt", "data=synthetic"], 2, ["model=gpt does not fit data=synthetic"]),
+    (["trainer.devices=0"], 2, ["trainer.devices", "greater than 0"]),
+    (["strategy.timeout_s=0"], 2, ["strategy.timeout_s"]),
+]
+
+
+@pytest.mark.parametrize("overrides,code,words", BAD_INPUT, ids=[" ".join(c[0]) for c in BAD_INPUT])
+def test_bad_input_is_one_clear_error(overrides, code, words, tmp_path):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    base = [] if "NO_TINY" in overrides else TINY  # TINY sets chars-only keys (data.seq_len)
+    overrides = [o.replace("EMPTY", str(empty)) for o in overrides if o != "NO_TINY"]
+    run_dir = tmp_path / "run"
+    proc = train([*base, *overrides, f"hydra.run.dir={run_dir}"], cwd=tmp_path, timeout=120)
+    assert proc.returncode == code, (proc.returncode, proc.stderr[-3000:])
+    for word in words:
+        assert word in proc.stderr, f"{word!r} missing from:\n{proc.stderr[-3000:]}"
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert not (run_dir / "summary.json").exists()
+    assert not (run_dir / "checkpoints").exists()
+
+
+@pytest.mark.parametrize("dead_rank", [1, 0], ids=["worker-dies", "rank0-dies"])
+def test_dead_rank_stops_the_job_fast(dead_rank, tmp_path):
+    """A rank that dies mid-training (no cleanup) makes the job exit non-zero well within the timeout."""
+    kill = [
+        "+callbacks.kill._target_=fault_injection.KillRank",
+        f"+callbacks.kill.rank={dead_rank}",
+        "+callbacks.kill.at_step=5",
+    ]
+    timeout_s = 60
+    run_dir = tmp_path / "run"
+    env = {"PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
+    start = time.monotonic()
+    proc = train([*TINY, "strategy=ddp", "trainer.devices=2", f"strategy.timeout_s={timeout_s}", *kill, f"hydra.run.dir={run_dir}"], cwd=tmp_path, timeout=2 * timeout_s + 60, env=env)
+    elapsed = time.monotonic() - start
+    assert proc.returncode != 0, proc.stderr[-3000:]
+    assert f"killing rank {dead_rank}" in proc.stderr + proc.stdout
+    assert elapsed < timeout_s + 30, f"the job took {elapsed:.0f} s to stop"
+    assert not (run_dir / "summary.json").exists()
+    time.sleep(1)
+    leftovers = subprocess.run(["pgrep", "-f", f"hydra.run.dir=\"{run_dir}\""], capture_output=True, text=True).stdout.split()
+    assert not leftovers, f"processes left behind: {leftovers}"
