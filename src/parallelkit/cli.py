@@ -21,9 +21,26 @@ def run_name(override_dirname: str) -> str:
     return re.sub(r"[/\\\s]", "_", override_dirname) or "default"
 
 
+def launcher_rank() -> int:
+    """The global rank an external launcher (torchrun, SLURM) gave this process; 0 otherwise."""
+    return int(os.environ.get("RANK") or os.environ.get("SLURM_PROCID") or 0)
+
+
+def rank_suffix() -> str:
+    """``_rankN`` for ranks > 0 started by torchrun/SLURM, so ranks do not share one log file."""
+    rank = launcher_rank()
+    return f"_rank{rank}" if rank else ""
+
+
+def rank_zero_value(value: str) -> str | None:
+    """``value`` on rank 0, ``None`` elsewhere: only rank 0 writes the composed config (.hydra/)."""
+    return value if launcher_rank() == 0 else None
+
+
 def register_resolvers() -> None:
-    if not OmegaConf.has_resolver("pk_run_name"):
-        OmegaConf.register_new_resolver("pk_run_name", run_name)
+    for name, fn in (("pk_run_name", run_name), ("pk_rank_suffix", rank_suffix), ("pk_rank_zero", rank_zero_value)):
+        if not OmegaConf.has_resolver(name):
+            OmegaConf.register_new_resolver(name, fn)
 
 
 def run_or_explain(cfg: DictConfig) -> None:

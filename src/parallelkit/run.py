@@ -90,6 +90,17 @@ def _choice(group: str) -> str:
     return HydraConfig.get().runtime.choices.get(group, "?") if HydraConfig.initialized() else "?"
 
 
+def resolve_num_nodes(requested: int, devices: int) -> int:
+    """Under torchrun the world size is known: derive the node count instead of asking for it twice."""
+    world = os.environ.get("WORLD_SIZE") if os.environ.get("TORCHELASTIC_RUN_ID") else None
+    if world is None:
+        return requested
+    nodes = int(world) // devices
+    if requested not in (1, nodes):
+        raise ConfigError(f"trainer.num_nodes={requested}, but torchrun started {world} processes of {devices} per node = {nodes} node(s).")
+    return nodes
+
+
 def output_dir(cfg: DictConfig) -> Path:
     from hydra.core.hydra_config import HydraConfig
 
@@ -134,7 +145,7 @@ def _run(cfg: DictConfig) -> dict[str, Any] | None:
     if hasattr(strategy, "bind_accelerator"):
         strategy.bind_accelerator(accelerator)
     devices = resolve_devices(trainer_cfg.pop("devices", None), strategy, accelerator)
-    num_nodes = trainer_cfg.pop("num_nodes", 1)
+    num_nodes = resolve_num_nodes(trainer_cfg.pop("num_nodes", 1), devices)
     dims = strategy.plan(devices * num_nodes)
 
     datamodule = build(cfg.data, "the data module (data=...)")
