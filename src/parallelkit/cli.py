@@ -16,9 +16,22 @@ EXIT_CONFIG_ERROR = 2
 EXIT_PEER_FAILURE = 3
 
 
+MAX_RUN_NAME = 120
+
+
 def run_name(override_dirname: str) -> str:
-    """A run directory name from the command-line overrides: the same on every rank, ``default`` if none."""
-    return re.sub(r"[/\\\s]", "_", override_dirname) or "default"
+    """A run directory name from the command-line overrides: the same on every rank, ``default`` if none.
+
+    Path separators and spaces are replaced; when that changed anything (``a/b`` and ``a_b`` would collide)
+    or the name is long (file names stop at 255 bytes), a short hash of the exact overrides is appended.
+    """
+    import hashlib
+
+    safe = re.sub(r"[/\\\s]", "_", override_dirname)
+    if safe == override_dirname and len(safe) <= MAX_RUN_NAME:
+        return safe or "default"
+    digest = hashlib.sha1(override_dirname.encode()).hexdigest()[:8]
+    return f"{safe[:MAX_RUN_NAME]}-{digest}"
 
 
 def launcher_rank() -> int:

@@ -38,15 +38,13 @@ class BatchPlan:
                 f"per_device_batch_size={per_device_batch_size}. To switch, pass e.g. "
                 "`data.global_batch_size=null data.per_device_batch_size=8`."
             )
-        if not isinstance(accumulate, int) or accumulate < 1:
-            raise ConfigError(f"trainer.accumulate_grad_batches should be an int greater than 0. Got {accumulate!r}.")
+        _check_positive("trainer.accumulate_grad_batches", accumulate)
+        _check_positive("the data-parallel size", data_parallel_size)
         if per_device_batch_size is not None:
-            if not isinstance(per_device_batch_size, int) or per_device_batch_size < 1:
-                raise ConfigError(f"data.per_device_batch_size should be an int greater than 0. Got {per_device_batch_size!r}.")
+            _check_positive("data.per_device_batch_size", per_device_batch_size)
             micro = per_device_batch_size
             return cls(micro * data_parallel_size * accumulate, micro, data_parallel_size, accumulate)
-        if not isinstance(global_batch_size, int) or global_batch_size < 1:
-            raise ConfigError(f"data.global_batch_size should be an int greater than 0. Got {global_batch_size!r}.")
+        _check_positive("data.global_batch_size", global_batch_size)
         per_step = data_parallel_size * accumulate
         if global_batch_size % per_step:
             lower = max(per_step, global_batch_size - global_batch_size % per_step)
@@ -57,3 +55,8 @@ class BatchPlan:
                 "trainer.accumulate_grad_batches."
             )
         return cls(global_batch_size, global_batch_size // per_step, data_parallel_size, accumulate)
+
+
+def _check_positive(name: str, value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ConfigError(f"{name} should be an int greater than 0. Got {value!r}.")

@@ -91,6 +91,11 @@ class CharsDataModule(DataParallelDataModule):
             raise ConfigError(f"data.source must be 'python_docs' or 'files'. Got {source!r}.")
         if source == "files" and not files:
             raise ConfigError("data.source=files needs data.files=[path, ...] with at least one text file.")
+        if source == PYTHON_DOCS and files:
+            raise ConfigError(
+                f"data.files={list(files)} is set but data.source=python_docs ignores it. Add data.source=files to "
+                "train on those files, or drop data.files."
+            )
         if not 0.0 < val_fraction < 1.0:
             raise ConfigError(f"data.val_fraction must be between 0 and 1 (exclusive). Got {val_fraction!r}.")
         if not isinstance(seq_len, int) or seq_len < 1:

@@ -18,6 +18,32 @@ from torch.utils.data import Sampler
 from parallelkit.data.batching import BatchPlan
 
 
+class GlobalOrder(Sampler[int]):
+    """The order of all samples in one epoch: a permutation from ``seed + epoch``, or the identity.
+
+    Lightning's fit loop calls ``set_epoch`` on ``loader.batch_sampler.sampler``, so the per-epoch state
+    lives here, in the batch sampler's ``sampler`` attribute.
+    """
+
+    def __init__(self, num_samples: int, seed: int, shuffle: bool) -> None:
+        self.num_samples = num_samples
+        self.seed = seed
+        self.shuffle = shuffle
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __iter__(self) -> Iterator[int]:
+        if not self.shuffle:
+            return iter(range(self.num_samples))
+        generator = torch.Generator().manual_seed(self.seed + self.epoch)
+        return iter(torch.randperm(self.num_samples, generator=generator).tolist())
+
+
 class DataParallelBatchSampler(Sampler[list[int]]):
     """Yields this rank's micro-batches (lists of indices) in the global order.
 
@@ -40,25 +66,22 @@ class DataParallelBatchSampler(Sampler[list[int]]):
         self.num_samples = num_samples
         self.plan = plan
         self.rank = rank
-        self.seed = seed
-        self.shuffle = shuffle
-        self.epoch = 0
+        self.sampler = GlobalOrder(num_samples, seed, shuffle)
         # Incomplete global batches are dropped: every optimizer step sees the full global batch.
         self.steps_per_epoch = num_samples // plan.global_batch_size
 
     def set_epoch(self, epoch: int) -> None:
-        """Called by Lightning's fit loop at the start of each epoch."""
-        self.epoch = epoch
+        self.sampler.set_epoch(epoch)
+
+    @property
+    def epoch(self) -> int:
+        return self.sampler.epoch
 
     def __len__(self) -> int:
         return self.steps_per_epoch * self.plan.accumulate
 
     def __iter__(self) -> Iterator[list[int]]:
-        if self.shuffle:
-            generator = torch.Generator().manual_seed(self.seed + self.epoch)
-            order = torch.randperm(self.num_samples, generator=generator).tolist()
-        else:
-            order = list(range(self.num_samples))
+        order = list(self.sampler)
         plan = self.plan
         chunk = plan.micro_batch_size * plan.data_parallel_size
         for step in range(self.steps_per_epoch):

@@ -92,6 +92,9 @@ class ParallelDims:
         return cls(world_size=world_size, ep=ep, mesh_order=tuple(mesh_order), **degrees)
 
     def __post_init__(self) -> None:
+        if not all(isinstance(axis, str) for axis in self.mesh_order):
+            raise ConfigError(f"mesh_order must be a permutation of {list(MESH_AXES)}; got {list(self.mesh_order)}.")
+        object.__setattr__(self, "mesh_order", tuple(self.mesh_order))  # a list would make it unhashable
         _check_positive_int("world_size", self.world_size)
         for name in (DP, SHARDING, TP, PP, EP):
             _check_positive_int(f"strategy.{name}", getattr(self, name))
