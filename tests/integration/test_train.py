@@ -131,3 +131,13 @@ def test_default_run_dir_is_deterministic(tmp_path):
     assert len(runs) == 1, runs
     assert "strategy=ddp" in runs[0].parent.name
     assert (runs[0].parent / "train_rank1.log").exists()  # rank 1 wrote into the same directory
+
+
+def test_ddp_fp16_hook_halves_gradient_traffic(single_reference, tmp_path):
+    """strategy=ddp_fp16 (a Hydra partial of parallelkit's fp16 hook) sends half the bytes and still learns the
+    same thing: fp16 keeps 11 significant bits of each averaged gradient, so the loss may drift from the fp32
+    reference by far less than 1e-3 over 20 steps (measured: a few 1e-6), but it must not be bit-identical."""
+    fp16 = run_ok([*TINY, "strategy=ddp_fp16", "trainer.devices=2"], tmp_path / "run")
+    assert fp16["comm"]["by_kind"]["grad_allreduce"]["bytes_per_step"] == fp16["num_params"] * 2
+    drift = max_rel_diff(fp16["train_loss"], single_reference["train_loss"])
+    assert 0 < drift < 1e-3

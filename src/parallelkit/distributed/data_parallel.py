@@ -9,6 +9,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from parallelkit.distributed.comm_hooks import HookState, allreduce_hook, counting_hook, is_parallelkit_hook
 from parallelkit.distributed.comm_stats import CommStats
+from parallelkit.errors import ConfigError
 
 
 def apply_ddp(
@@ -56,8 +57,22 @@ def apply_ddp(
     )
     hook = comm_hook if comm_hook is not None else allreduce_hook
     if is_parallelkit_hook(hook):
+        if comm_state is not None:
+            raise ConfigError(
+                f"ddp_comm_state={comm_state!r} has no effect with parallelkit's {getattr(hook, 'func', hook).__name__}, "
+                "which builds its own state (the data-parallel group and the traffic counter). Leave it null."
+            )
+        # Hydra's `_partial_: true` hands over a functools.partial, which DDP rejects (it reads __name__).
+        hook = getattr(hook, "func", hook)
         ddp.register_comm_hook(HookState(process_group=process_group, stats=comm_stats), hook)
     else:
         state = comm_state if comm_state is not None else process_group
-        ddp.register_comm_hook(state, counting_hook(hook, comm_stats) if comm_stats is not None else hook)
+        ddp.register_comm_hook(state, counting_hook(hook, comm_stats) if comm_stats is not None else _named(hook))
     return ddp
+
+
+def _named(hook: Callable) -> Callable:
+    """DDP reads ``hook.__name__``; a functools.partial has none."""
+    if not hasattr(hook, "__name__"):
+        hook.__name__ = getattr(getattr(hook, "func", None), "__name__", "comm_hook")
+    return hook
