@@ -157,7 +157,16 @@ def _run(cfg: DictConfig) -> dict[str, Any] | None:
     module = TrainModule(model, build(cfg.optim.optimizer, "the optimizer (optim=...)"), **OmegaConf.to_container(cfg.optim.schedule, resolve=True))
 
     summary = RunSummary(out, plan.global_batch_size, sum(p.numel() for p in model.parameters()))
-    checkpoint = ModelCheckpoint(dirpath=out / "checkpoints", save_last=True, every_n_train_steps=cfg.checkpoint.every_n_steps, save_top_k=cfg.checkpoint.save_top_k)
+    every = cfg.checkpoint.every_n_steps
+    # Epoch-based runs (trainer.max_steps=-1) checkpoint at the end of each epoch instead.
+    step_based = bool(every and every > 0)
+    checkpoint = ModelCheckpoint(
+        dirpath=out / "checkpoints",
+        save_last=True,
+        save_top_k=cfg.checkpoint.save_top_k,
+        every_n_train_steps=every if step_based else None,
+        save_on_train_epoch_end=not step_based,  # not after validation: last.ckpt is the final state
+    )
     callbacks = [build(node, f"callback {name!r}") for name, node in (cfg.get("callbacks") or {}).items()]
     try:
         trainer = pl.Trainer(
