@@ -14,6 +14,7 @@ from parallelkit.errors import ConfigError
 
 EXIT_CONFIG_ERROR = 2
 EXIT_PEER_FAILURE = 3
+EXIT_SIGTERM = 128 + 15  # the shell's convention for a process ended by SIGTERM
 
 
 MAX_RUN_NAME = 120
@@ -58,10 +59,19 @@ def register_resolvers() -> None:
 
 def run_or_explain(cfg: DictConfig) -> None:
     """Run; a :class:`ConfigError` becomes one paragraph on stderr and exit code 2, not a traceback."""
-    from parallelkit.run import run
+    from parallelkit import local_launch
 
+    saved_env = dict(os.environ)
+    early = local_launch.wants_early_launch(cfg)
+    if early:  # before the heavy imports below, so that all ranks import in parallel
+        local_launch.start_local_ranks(early)
+    finished = False
     try:
+        from parallelkit.run import run
+
+        local_launch.wait_for_release()
         run(cfg)
+        finished = True
     except ConfigError as err:
         print(f"parallelkit: error: {err}", file=sys.stderr, flush=True)
         raise SystemExit(EXIT_CONFIG_ERROR) from None
@@ -77,6 +87,11 @@ def run_or_explain(cfg: DictConfig) -> None:
             flush=True,
         )
         raise SystemExit(EXIT_PEER_FAILURE) from None
+    finally:
+        if early:
+            local_launch.finish() if finished else local_launch.abort()
+            os.environ.clear()  # the next job of a sweep starts with the environment this one found
+            os.environ.update(saved_env)
 
 
 def is_peer_failure(err: BaseException) -> bool:
@@ -101,6 +116,8 @@ def exit_after(main: Callable[[], None]) -> None:
         main()
     except SystemExit as stop:
         code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
+        if type(stop).__name__ == "SIGTERMException":  # Lightning's, a SystemExit(None): not a finished run
+            code = EXIT_SIGTERM
         if isinstance(stop.code, str):
             print(stop.code, file=sys.stderr)
     except BaseException:  # noqa: BLE001 - report anything, then exit non-zero

@@ -3,41 +3,18 @@
 Lightning re-runs the script for ranks 1..N-1 with the original ``sys.argv`` plus ``hydra.run.dir``.
 Inside a multirun that command still carries ``-m`` and the whole sweep, and ``run.dir`` is not the
 job's directory, so every child would start a sweep of its own. Here the children get exactly this
-job's overrides and its output directory, with no ``-m``.
+job's overrides and its output directory, with no ``-m``. (With an integer ``trainer.devices`` the ranks
+are started earlier still, by :mod:`parallelkit.local_launch`, and this launcher starts none.)
 """
 
 from __future__ import annotations
 
 import os
 import subprocess
-import sys
 
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 
-# Hydra overrides that describe the sweep, not the job: a child must not inherit them.
-_SWEEP_ONLY = ("hydra.mode", "hydra.run.dir", "hydra.sweep", "hydra.job.name", "hydra.output_subdir", "hydra/launcher", "hydra/sweeper", "hydra.launcher", "hydra.sweeper")
-
-
-def hydra_job_command(local_rank: int) -> list[str]:
-    """The command that re-creates this Hydra job as local rank ``local_rank``."""
-    import __main__
-    from hydra.core.hydra_config import HydraConfig
-
-    hc = HydraConfig.get()
-    if getattr(__main__, "__spec__", None) is None:
-        command = [sys.executable, os.path.abspath(sys.argv[0])]
-    else:
-        command = [sys.executable, "-m", __main__.__spec__.name]
-    command += [f"--config-name={hc.job.config_name}"]
-    command += [o for o in hc.overrides.hydra if not o.startswith(_SWEEP_ONLY)]
-    command += list(hc.overrides.task)
-    command += [
-        f'hydra.run.dir="{hc.runtime.output_dir}"',
-        "hydra.output_subdir=null",  # only rank 0 writes .hydra/
-        f"hydra.job.name={hc.job.name}_rank{local_rank}",
-    ]
-    return command
-
+from parallelkit.local_launch import hydra_job_command
 
 class HydraJobLauncher(_SubprocessScriptLauncher):
     """Lightning's script launcher with a multirun-safe command (see the module docstring)."""

@@ -8,6 +8,7 @@ starts the other ranks, so bad input costs one clear message and nothing half-wr
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,7 @@ from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
+from parallelkit import local_launch
 from parallelkit.errors import ConfigError
 
 # Environment variables Lightning's launcher sets for a job; a sweep's next job must start without them.
@@ -168,6 +170,8 @@ def _run(cfg: DictConfig) -> dict[str, Any] | None:
         save_on_train_epoch_end=not step_based,  # not after validation: last.ckpt is the final state
     )
     callbacks = [build(node, f"callback {name!r}") for name, node in (cfg.get("callbacks") or {}).items()]
+    if trainer_cfg.get("enable_progress_bar") is None:  # auto: a bar on a terminal, none in log files
+        trainer_cfg["enable_progress_bar"] = sys.stdout.isatty()
     try:
         trainer = pl.Trainer(
             strategy=strategy,
@@ -182,8 +186,9 @@ def _run(cfg: DictConfig) -> dict[str, Any] | None:
         )
     except (MisconfigurationException, TypeError) as err:
         raise ConfigError(f"The trainer settings do not work together: {err}") from None
-    ckpt_path = cfg.get("ckpt_path")
-    trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
+    # Everything that can fail on bad input has run: ranks started early may now go (no-op otherwise).
+    local_launch.release()
+    trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
     return summary.summary if trainer.is_global_zero else None
 
 

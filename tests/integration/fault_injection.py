@@ -18,3 +18,20 @@ class KillRank(Callback):
         if trainer.global_rank == self.rank and trainer.global_step >= self.at_step:
             print(f"fault_injection: killing rank {self.rank} at step {trainer.global_step}", file=sys.stderr, flush=True)
             os._exit(self.exit_code)
+
+
+class SigtermRank(Callback):
+    """Send SIGTERM to the process of global rank ``rank`` once ``at_step`` steps are done (once)."""
+
+    def __init__(self, rank: int, at_step: int) -> None:
+        self.rank = rank
+        self.at_step = at_step
+        self.sent = False
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        import signal
+
+        if trainer.global_rank == self.rank and trainer.global_step >= self.at_step and not self.sent:
+            self.sent = True
+            print(f"fault_injection: SIGTERM to rank {self.rank} at step {trainer.global_step}", file=sys.stderr, flush=True)
+            os.kill(os.getpid(), signal.SIGTERM)

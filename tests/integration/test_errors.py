@@ -68,3 +68,17 @@ def test_dead_rank_stops_the_job_fast(dead_rank, tmp_path):
     time.sleep(1)
     leftovers = subprocess.run(["pgrep", "-f", f"hydra.run.dir=\"{run_dir}\""], capture_output=True, text=True).stdout.split()
     assert not leftovers, f"processes left behind: {leftovers}"
+
+
+@pytest.mark.parametrize("rank", [0, 1], ids=["rank0", "rank1"])
+def test_sigterm_stops_every_rank_with_a_failure_code(rank, tmp_path):
+    """A SIGTERM (a cluster's preemption) ends the job on all ranks, quickly, and never as a success."""
+    term = ["+callbacks.term._target_=fault_injection.SigtermRank", f"+callbacks.term.rank={rank}", "+callbacks.term.at_step=3"]
+    timeout_s = 60
+    env = {"PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
+    start = time.monotonic()
+    proc = train([*TINY, "strategy=ddp", "trainer.devices=2", "trainer.max_steps=400", f"strategy.timeout_s={timeout_s}", *term, f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path, timeout=2 * timeout_s + 60, env=env)
+    assert f"SIGTERM to rank {rank}" in proc.stderr
+    assert proc.returncode != 0, proc.stderr[-3000:]
+    assert time.monotonic() - start < timeout_s, "the job waited for the collective timeout instead of stopping"
+    assert not (tmp_path / "run" / "summary.json").exists()

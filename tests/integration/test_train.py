@@ -123,6 +123,20 @@ def test_multirun_sweep_writes_one_summary_per_job(tmp_path):
     assert not (tmp_path / "multirun").exists() and not (tmp_path / "outputs").exists()
 
 
+def test_multirun_with_early_started_ranks(single_reference, tmp_path):
+    """With an integer trainer.devices the ranks start before the heavy imports (parallelkit.local_launch);
+    each job of a sweep must start its own ranks from a clean environment."""
+    sweep = tmp_path / "sweep"
+    proc = train(["-m", *TINY, "strategy=ddp,ddp_fp16", "trainer.devices=2", f"hydra.sweep.dir={sweep}"], cwd=tmp_path, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    summaries = {s["comm"]["by_kind"]["grad_allreduce"]["bytes_per_step"]: s for s in (json.loads(p.read_text()) for p in sweep.glob("*/summary.json"))}
+    assert len(summaries) == 2  # fp32 and fp16 gradients: two different jobs, both on 2 ranks
+    for summary in summaries.values():
+        assert summary["world_size"] == 2
+    fp32 = summaries[max(summaries)]
+    assert max_rel_diff(fp32["train_loss"], single_reference["train_loss"]) <= REL_TOL
+
+
 def test_default_run_dir_is_deterministic(tmp_path):
     """Without hydra.run.dir, every rank (and a rerun) composes the same directory from the overrides."""
     proc = train([*TINY, "strategy=ddp", "trainer.devices=2", "trainer.max_steps=3"], cwd=tmp_path)

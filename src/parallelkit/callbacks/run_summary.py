@@ -2,8 +2,8 @@
 
 Per optimizer step it keeps this rank's loss and a timestamp, with no collective. Every
 ``trainer.log_every_n_steps`` steps the pending losses are averaged over ranks in one all-reduce and
-written to ``metrics.csv`` as ``train_loss`` (the global mean, one row per step). At the end it gathers
-the maxima of memory figures over ranks and writes the summary atomically.
+written to ``metrics.csv`` as ``train_loss`` (the global mean, one row per step) and to the progress bar.
+At the end it gathers the maxima of memory figures over ranks and writes the summary atomically.
 """
 
 from __future__ import annotations
@@ -85,8 +85,7 @@ class RunSummary(Callback):
     def _flush(self, trainer: pl.Trainer) -> None:
         if not self._pending:
             return
-        local = torch.stack(self._pending)
-        means = _global_mean(trainer.strategy, local).cpu().tolist()
+        means = _global_mean(trainer.strategy, torch.stack(self._pending)).cpu().tolist()
         first_step = len(self.train_loss) + 1
         self.train_loss.extend(means)
         self._pending = []
@@ -95,6 +94,7 @@ class RunSummary(Callback):
                 logger.log_metrics({"train_loss": value}, step=first_step + offset - 1)
         for logger in trainer.loggers:
             logger.save()
+        trainer.progress_bar_metrics["train_loss"] = means[-1]
 
     # ---------------------------------------------------------------- end of training
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
