@@ -25,24 +25,18 @@ import subprocess
 import sys
 import time
 
+from workload_args import add_workload_arguments  # bench/ is sys.path[0] when run as a script
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True, help="directory for summary.json")
+    add_workload_arguments(p)
     p.add_argument("--world-size", type=int, default=2)
-    p.add_argument("--steps", type=int, default=100)
-    p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--n-layer", type=int, default=4)
-    p.add_argument("--n-head", type=int, default=4)
-    p.add_argument("--n-embd", type=int, default=128)
-    p.add_argument("--seq-len", type=int, default=64)
-    p.add_argument("--global-batch-size", type=int, default=32)
     # conf/optim/adamw.yaml
     p.add_argument("--lr", type=float, default=3.0e-3)
     p.add_argument("--betas", type=float, nargs=2, default=(0.9, 0.99))
     p.add_argument("--weight-decay", type=float, default=0.01)
-    p.add_argument("--warmup-steps", type=int, default=20)
-    p.add_argument("--decay-steps", type=int, default=None, help="default: --steps (conf: ${trainer.max_steps})")
     p.add_argument("--min-lr-ratio", type=float, default=0.1)
     p.add_argument("--vocab-multiple", type=int, default=64)
     p.add_argument("--val-fraction", type=float, default=0.1)

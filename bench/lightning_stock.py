@@ -34,6 +34,8 @@ from parallelkit.data.chars import CharsDataModule
 from parallelkit.models.gpt import GPT
 from parallelkit.models.module import TrainModule
 
+from workload_args import add_workload_arguments  # bench/ is sys.path[0] when run as a script
+
 
 class QuietTrainModule(TrainModule):
     """``TrainModule`` without its per-step ``self.log`` (ablation ``--no-log-call``)."""
@@ -82,16 +84,8 @@ class StepTimer(Callback):
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True)
+    add_workload_arguments(p)
     p.add_argument("--devices", type=int, default=2)
-    p.add_argument("--steps", type=int, default=100)
-    p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--n-layer", type=int, default=4)
-    p.add_argument("--n-head", type=int, default=4)
-    p.add_argument("--n-embd", type=int, default=128)
-    p.add_argument("--seq-len", type=int, default=64)
-    p.add_argument("--global-batch-size", type=int, default=32)
-    p.add_argument("--warmup-steps", type=int, default=20)
-    p.add_argument("--decay-steps", type=int, default=None, help="default: --steps")
     p.add_argument("--probe", action="store_true", help="add bench/probe.py's PhaseProbe (start-up timestamps)")
     p.add_argument("--no-progress-bar", action="store_true", help="enable_progress_bar=False")
     p.add_argument("--no-model-summary", action="store_true", help="enable_model_summary=False")
