@@ -15,8 +15,6 @@ from parallelkit.errors import ConfigError
 EXIT_CONFIG_ERROR = 2
 EXIT_PEER_FAILURE = 3
 EXIT_SIGTERM = 128 + 15  # the shell's convention for a process ended by SIGTERM
-
-
 MAX_RUN_NAME = 120
 
 

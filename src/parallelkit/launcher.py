@@ -16,6 +16,7 @@ from lightning.pytorch.strategies.launchers.subprocess_script import _Subprocess
 
 from parallelkit.local_launch import hydra_job_command
 
+
 class HydraJobLauncher(_SubprocessScriptLauncher):
     """Lightning's script launcher with a multirun-safe command (see the module docstring)."""
 
