@@ -126,6 +126,14 @@ class RunSummary(Callback):
             "model_state_bytes": dict(zip(state.keys(), (int(v) for v in maxima[1:]))),
             "comm": comm_per_step,
         }
+        # Strategies, callbacks and models add their own entries (MoE load, loss scale, ...). Called on
+        # every rank in the same order, so a provider may use collectives.
+        for provider in _metric_providers(trainer, pl_module):
+            extra = provider.summary_metrics(trainer)
+            clash = set(extra) & set(self.summary)
+            if clash:
+                raise RuntimeError(f"{type(provider).__name__}.summary_metrics() would overwrite {sorted(clash)} in summary.json")
+            self.summary.update(extra)
         self._write(self.summary)
 
     @rank_zero_only
@@ -142,6 +150,22 @@ class RunSummary(Callback):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.train_loss = list(state_dict.get("train_loss", []))
+
+
+def _metric_providers(trainer: pl.Trainer, pl_module: pl.LightningModule) -> list[Any]:
+    candidates = [trainer.strategy, getattr(pl_module, "model", None), *trainer.callbacks]
+    return [c for c in candidates if c is not None and callable(getattr(c, "summary_metrics", None))]
+
+
+def log_step_metrics(trainer: pl.Trainer, metrics: dict[str, float], step: int | None = None) -> None:
+    """Write per-step values to ``metrics.csv`` (every logger) without ``self.log``'s per-step cost.
+
+    ``step`` defaults to the optimizer step that has just finished (0-based, like ``train_loss`` rows).
+    Call it on every rank; only rank 0's loggers write.
+    """
+    step = trainer.global_step - 1 if step is None else step
+    for logger in trainer.loggers:
+        logger.log_metrics({k: float(v) for k, v in metrics.items()}, step=step)
 
 
 def _global_mean(strategy: Any, tensor: torch.Tensor) -> torch.Tensor:

@@ -17,6 +17,14 @@ from parallelkit.errors import ConfigError
 
 METRICS = "metrics"
 
+# Capabilities a callback may ask for with ``strategy.supports(...)`` (never by checking the class).
+#: gradients are averaged by a ``DistributedDataParallel`` module that accepts DDP comm hooks.
+DDP_COMM_HOOK = "ddp_comm_hook"
+#: every rank holds the full (unsharded, unsplit) parameters, so they can be averaged or compared directly.
+REPLICATED_PARAMS = "replicated_params"
+#: Lightning runs ``training_step`` and ``backward`` itself (a pipeline schedule does not).
+LIGHTNING_BACKWARD = "lightning_backward"
+
 
 class ParallelKitStrategyMixin:
     """Mixed into each parallelkit strategy before its Lightning base class."""
@@ -25,6 +33,8 @@ class ParallelKitStrategyMixin:
     strategy_name: str = "?"
     #: the largest world the strategy can use (None: any).
     max_world_size: int | None = None
+    #: what callbacks may rely on (see the capability constants above).
+    capabilities: frozenset[str] = frozenset({LIGHTNING_BACKWARD})
 
     def _init_parallelkit(self) -> None:
         self.comm_stats = CommStats()
@@ -56,6 +66,14 @@ class ParallelKitStrategyMixin:
         return self._parallel_dims
 
     # ---------------------------------------------------------------- run-time capabilities
+    def supports(self, capability: str) -> bool:
+        """Whether this strategy (as configured) offers ``capability`` (one of the constants in this module)."""
+        return capability in self.capabilities
+
+    def summary_metrics(self, trainer: Any) -> dict[str, Any]:
+        """Extra top-level entries for ``summary.json``; called on every rank at the end of training."""
+        return {}
+
     def global_mean(self, tensor: torch.Tensor) -> torch.Tensor:
         """Mean of a per-rank metric over all ranks (counted as ``metrics`` traffic)."""
         return self._counted_reduce(tensor, "mean")

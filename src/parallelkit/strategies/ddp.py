@@ -14,7 +14,7 @@ from parallelkit.distributed.data_parallel import apply_ddp
 from parallelkit.distributed.parallel_dims import DP, ParallelDims
 from parallelkit.errors import ConfigError
 from parallelkit.launcher import HydraJobLauncher
-from parallelkit.strategies.base import ParallelKitStrategyMixin
+from parallelkit.strategies.base import DDP_COMM_HOOK, LIGHTNING_BACKWARD, REPLICATED_PARAMS, ParallelKitStrategyMixin
 
 DEFAULT_TIMEOUT_S = 180.0
 
@@ -44,6 +44,7 @@ class DDPStrategy(ParallelKitStrategyMixin, LightningDDPStrategy):
     """
 
     strategy_name = "ddp"
+    capabilities = frozenset({DDP_COMM_HOOK, REPLICATED_PARAMS, LIGHTNING_BACKWARD})
 
     def __init__(
         self,

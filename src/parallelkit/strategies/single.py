@@ -6,7 +6,7 @@ import torch
 from lightning.pytorch.strategies import SingleDeviceStrategy
 
 from parallelkit.distributed.parallel_dims import ParallelDims
-from parallelkit.strategies.base import ParallelKitStrategyMixin
+from parallelkit.strategies.base import LIGHTNING_BACKWARD, REPLICATED_PARAMS, ParallelKitStrategyMixin
 
 
 class SingleStrategy(ParallelKitStrategyMixin, SingleDeviceStrategy):
@@ -22,6 +22,7 @@ class SingleStrategy(ParallelKitStrategyMixin, SingleDeviceStrategy):
 
     strategy_name = "single"
     max_world_size = 1
+    capabilities = frozenset({REPLICATED_PARAMS, LIGHTNING_BACKWARD})
 
     def __init__(self, device: str | None = None) -> None:
         super().__init__(device=device or "cpu")

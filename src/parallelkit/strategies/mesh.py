@@ -1,0 +1,137 @@
+"""The common base of strategies that parallelize the model in place on a named device mesh.
+
+ZeRO/FSDP sharding, tensor parallel, expert parallel and their hybrid all work the same way inside
+Lightning: initialise the process group, build the 4-axis mesh from :class:`ParallelDims`, apply the
+techniques to the model (``parallelize``), then create the optimizer, and save/load checkpoints with
+``torch.distributed.checkpoint`` so a run saved at N ranks loads at M. Subclasses only say which degrees
+they take and which ``apply_*`` functions they compose, in :meth:`MeshStrategy.parallelize`.
+
+Built on Lightning's ``ModelParallelStrategy`` (its checkpoint and collective plumbing) but without its
+requirement that the LightningModule parallelize itself in ``configure_model``: in parallelkit the plan is
+chosen on the command line and applied by the strategy.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+
+from parallelkit.distributed.grad_sync import GradAllReduce
+from parallelkit.distributed.parallel_dims import DEFAULT_MESH_ORDER, ParallelDims
+from parallelkit.errors import ConfigError
+from parallelkit.launcher import HydraJobLauncher
+from parallelkit.strategies.base import LIGHTNING_BACKWARD, ParallelKitStrategyMixin
+
+DEFAULT_TIMEOUT_S = 180.0
+
+
+class MeshStrategy(ParallelKitStrategyMixin, ModelParallelStrategy):
+    """Parallelize ``TrainModule.model`` in place on the mesh, then train with Lightning's loop.
+
+    Args:
+        dp / sharding / tp / pp / ep: the degrees (``-1``: the remaining ranks), validated by
+            :class:`ParallelDims` before any process starts.
+        mesh_order: mesh axes, outermost first (default ``pp, dp, sharding, tp``).
+        save_distributed_checkpoint: each rank writes its shard (a checkpoint directory) rather than
+            gathering a single file on rank 0.
+        timeout_s: collective and rendezvous timeout in seconds.
+        process_group_backend: ``gloo``/``nccl``; default from the device.
+
+    Subclasses override :meth:`parallelize` and may append to ``self.grad_syncs`` the gradient
+    averaging that must run after the last backward of each optimizer step.
+    """
+
+    strategy_name = "mesh"
+    capabilities = frozenset({LIGHTNING_BACKWARD})
+
+    def __init__(
+        self,
+        dp: int = -1,
+        sharding: int = 1,
+        tp: int = 1,
+        pp: int = 1,
+        ep: int = 1,
+        mesh_order: tuple[str, ...] | list[str] = DEFAULT_MESH_ORDER,
+        save_distributed_checkpoint: bool = True,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        process_group_backend: str | None = None,
+    ) -> None:
+        if not isinstance(timeout_s, (int, float)) or timeout_s <= 0:
+            raise ConfigError(f"strategy.timeout_s should be a number of seconds greater than 0. Got {timeout_s!r}.")
+        super().__init__(
+            save_distributed_checkpoint=save_distributed_checkpoint,
+            process_group_backend=process_group_backend,
+            timeout=timedelta(seconds=timeout_s),
+        )
+        self._init_parallelkit()
+        self._degrees = {"dp": dp, "sharding": sharding, "tp": tp, "pp": pp, "ep": ep}
+        self._mesh_order = tuple(mesh_order)
+        self.timeout_s = float(timeout_s)
+        self.grad_syncs: list[GradAllReduce] = []
+
+    # ---------------------------------------------------------------- planning (before launch)
+    def default_devices(self, accelerator: str) -> int:
+        if accelerator == "gpu":
+            return max(torch.cuda.device_count(), 1)
+        return 2
+
+    def _requested_dims(self, world_size: int) -> ParallelDims:
+        return ParallelDims.from_degrees(world_size, **self._degrees, mesh_order=self._mesh_order)
+
+    # ---------------------------------------------------------------- Lightning hooks
+    def _configure_launcher(self) -> None:
+        self._launcher = HydraJobLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+
+    def setup_environment(self) -> None:
+        # Lightning's version builds a 2-D (data, tensor) mesh; parallelkit's mesh has every axis.
+        super(ModelParallelStrategy, self).setup_environment()
+        self._setup_distributed()
+        self._parallel_dims = self.plan(self.world_size)
+        self._device_mesh = self._parallel_dims.build_mesh(self.root_device.type)
+        self.device_mesh = self._device_mesh
+        self.lightning_module._device_mesh = self._device_mesh
+
+    @property
+    def device_mesh(self) -> Any:
+        return self._device_mesh
+
+    @device_mesh.setter
+    def device_mesh(self, mesh: Any) -> None:
+        self._device_mesh = mesh
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        dims = self.parallel_dims
+        return {"num_replicas": dims.data_parallel_size, "rank": dims.data_parallel_rank(self.global_rank)}
+
+    def setup(self, trainer: Any) -> None:
+        self.accelerator.setup(trainer)
+        self.lightning_module.model.to(self.root_device)
+        self.parallelize(self.lightning_module.model)
+        self.model_to_device()
+        self.barrier()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    def parallelize(self, model: torch.nn.Module) -> None:
+        """Apply this strategy's techniques to ``model`` in place (the subclass's composition)."""
+        raise NotImplementedError
+
+    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        # Lightning runs forward and backward inside ``closure``; averaging the gradients right after it
+        # puts the sync before gradient clipping and ``on_before_optimizer_step`` callbacks.
+        def closure_then_sync() -> Any:
+            result = closure()
+            for sync in self.grad_syncs:
+                sync.sync()
+            return result
+
+        return super().optimizer_step(optimizer, closure_then_sync, model, **kwargs)
