@@ -1,7 +1,12 @@
-"""Parallel plans for :mod:`parallelkit.models.gpt`.
+"""Parallel plans for :mod:`parallelkit.models.gpt`: which weights split how, and where the pipeline cuts.
 
-Empty on purpose: data parallelism needs no plan. The tensor-parallel layout (column/row-parallel
-projections, vocab-parallel embedding and loss), the pipeline split points and activation recomputation
-for this model are added here by the issues that bring those techniques, so ``model.py`` stays
-single-device code.
+``model.py`` stays single-device code; the strategies read these plans and apply them with the generic
+techniques of :mod:`parallelkit.distributed`.
 """
+
+from __future__ import annotations
+
+# ==================================================================== tensor parallel plan
+
+
+# ==================================================================== pipeline split points
