@@ -79,6 +79,11 @@ class RunSummary(Callback):
             self._step_ends.append(time.perf_counter())
             self._pending.append(self._accum)
             self._accum = None
+            # Providers of per-step values (e.g. the MoE model's routing metrics): one metrics.csv row per step.
+            for provider in _step_metric_providers(trainer, pl_module):
+                values = provider.step_metrics()
+                if values:
+                    log_step_metrics(trainer, values)
             if len(self._pending) >= max(trainer.log_every_n_steps, 1):
                 self._flush(trainer)
 
@@ -155,6 +160,12 @@ class RunSummary(Callback):
 def _metric_providers(trainer: pl.Trainer, pl_module: pl.LightningModule) -> list[Any]:
     candidates = [trainer.strategy, getattr(pl_module, "model", None), *trainer.callbacks]
     return [c for c in candidates if c is not None and callable(getattr(c, "summary_metrics", None))]
+
+
+def _step_metric_providers(trainer: pl.Trainer, pl_module: pl.LightningModule) -> list[Any]:
+    """Like :func:`_metric_providers`, for ``step_metrics() -> dict`` (called on every rank after each step)."""
+    candidates = [trainer.strategy, getattr(pl_module, "model", None), *trainer.callbacks]
+    return [c for c in candidates if c is not None and callable(getattr(c, "step_metrics", None))]
 
 
 def log_step_metrics(trainer: pl.Trainer, metrics: dict[str, float], step: int | None = None) -> None:

@@ -8,7 +8,7 @@ which can only see the bucket it was handed, and records it under ``grad_hook_in
 
 
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -34,7 +34,7 @@ def allreduce_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.F
     tensor = bucket.buffer()
     tensor.div_(dist.get_world_size(state.process_group))
     if state.stats is not None:
-        state.stats.record(GRAD_ALLREDUCE, tensor)
+        state.stats.record(GRAD_ALLREDUCE, tensor, "all_reduce", dist.get_world_size(state.process_group))
     work = dist.all_reduce(tensor, group=state.process_group, async_op=True)
     return work.get_future().then(lambda fut: fut.value()[0])
 
@@ -47,7 +47,7 @@ def fp16_compress_hook(state: HookState, bucket: dist.GradBucket) -> torch.futur
     buffer = bucket.buffer()
     compressed = buffer.to(torch.float16).div_(dist.get_world_size(state.process_group))
     if state.stats is not None:
-        state.stats.record(GRAD_ALLREDUCE, compressed)
+        state.stats.record(GRAD_ALLREDUCE, compressed, "all_reduce", dist.get_world_size(state.process_group))
     work = dist.all_reduce(compressed, group=state.process_group, async_op=True)
 
     def decompress(fut: torch.futures.Future) -> torch.Tensor:
@@ -68,7 +68,110 @@ def counting_hook(hook: Callable, stats: CommStats) -> Callable:
     return wrapped
 
 
+def counts_own_traffic(hook: Callable) -> Callable:
+    """Mark a hook that records every collective it issues in its own state's counter.
+
+    :func:`~parallelkit.distributed.data_parallel.apply_ddp` registers such a hook with the state it is
+    given, unwrapped (wrapping it in :func:`counting_hook` would count the bucket a second time).
+    """
+    hook._parallelkit_counts_traffic = True
+    return hook
+
+
+def is_self_counting_hook(hook: Callable) -> bool:
+    return bool(getattr(getattr(hook, "func", hook), "_parallelkit_counts_traffic", False))
+
+
 def is_parallelkit_hook(hook: Callable) -> bool:
     """True for hooks of this module, which take a :class:`HookState` and count exactly."""
     base = getattr(hook, "func", hook)  # functools.partial from Hydra's _partial_
     return base in (allreduce_hook, fp16_compress_hook)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Gradient compression with torch's hooks (fp16 / PowerSGD), counted exactly.
+
+POWERSGD_ALLREDUCE = "powersgd_allreduce"
+COMPRESSION_METHODS = ("fp16", "bf16", "powersgd")
+
+
+class _CountingDist:
+    """Stands in for ``torch.distributed`` inside torch's PowerSGD modules and counts their all-reduces.
+
+    PowerSGD issues its second all-reduce (of Q) from a future's callback, where no wrapper around the
+    hook call can see it; replacing the modules' ``dist`` name sees every call. Calls on groups that no
+    parallelkit state registered are passed through uncounted.
+    """
+
+    def __init__(self, real: Any) -> None:
+        self._real = real
+        self.counters: dict = {}  # id(process group) → CommStats
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
+
+    def all_reduce(self, tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        group = kwargs.get("group", args[1] if len(args) > 1 else None)
+        stats = self.counters.get(id(group if group is not None else self._real.group.WORLD))
+        if stats is not None:
+            stats.record(POWERSGD_ALLREDUCE, tensor, "all_reduce", self._real.get_world_size(group))
+        return self._real.all_reduce(tensor, *args, **kwargs)
+
+
+def _count_powersgd(group: Any, stats: CommStats) -> None:
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+    for module in (powerSGD_hook, default_hooks):  # default_hooks: PowerSGD's plain phase
+        if not isinstance(module.dist, _CountingDist):
+            module.dist = _CountingDist(module.dist)
+        module.dist.counters[id(group)] = stats
+
+
+@dataclass
+class CompressionState:
+    """A compressing hook (``inner``, with ``inner_state``) and what its traffic would have been uncompressed."""
+
+    method: str
+    inner: Callable
+    inner_state: Any
+    process_group: Any
+    stats: Optional[CommStats] = None
+    dense_bytes: float = 0.0  # what a plain fp32 ring all-reduce of the same buckets would have sent
+    buckets: int = 0
+
+
+def compression_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """Run the compressing hook; remember the uncompressed cost for the compression ratio."""
+    from parallelkit.distributed.comm_stats import sent_bytes
+
+    buffer = bucket.buffer()
+    state.dense_bytes += sent_bytes("all_reduce", buffer.numel() * buffer.element_size(), dist.get_world_size(state.process_group))
+    state.buckets += 1
+    return state.inner(state.inner_state, bucket)
+
+
+compression_hook._parallelkit_counts_traffic = True
+
+
+def build_compression_hook(method: str, process_group: Any, stats: Optional[CommStats] = None, **powersgd: Any) -> Tuple[Callable, CompressionState]:
+    """``(hook, state)`` for ``method`` = ``fp16`` (parallelkit's counting fp16 hook), ``bf16`` (torch's,
+    NCCL only) or ``powersgd`` (torch's PowerSGD with ``powersgd`` = PowerSGDState arguments)."""
+    if method == "fp16":
+        inner, inner_state = fp16_compress_hook, HookState(process_group, stats)
+    elif method == "bf16":
+        backend = dist.get_backend(process_group)
+        if backend == "gloo":
+            raise ValueError("bf16 gradient compression (torch's bf16_compress_hook) cannot run on gloo, which has no "
+                             "bfloat16 all-reduce; use method=fp16 (works on every backend), or a GPU run (nccl)")
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
+
+        inner, inner_state = counting_hook(bf16_compress_hook, stats) if stats is not None else bf16_compress_hook, process_group
+    elif method == "powersgd":
+        from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, powerSGD_hook
+
+        if stats is not None:
+            _count_powersgd(process_group, stats)
+        inner, inner_state = powerSGD_hook, PowerSGDState(process_group=process_group, **powersgd)
+    else:
+        raise ValueError(f"unknown compression method {method!r}; expected one of {COMPRESSION_METHODS}")
+    return compression_hook, CompressionState(method, inner, inner_state, process_group, stats)

@@ -1,8 +1,11 @@
-"""Counts what parallelkit hands to collectives, so ``summary.json`` reports measured traffic.
+"""Counts the bytes each collective parallelkit issues makes this rank send, so ``summary.json`` reports traffic.
 
-Numbers are payload bytes handed to a collective by this rank (an all-reduce of N bytes counts N; the
-wire traffic of a ring all-reduce is about 2(n-1)/n of that). Every place in parallelkit that issues a
-collective records it here under a *kind* (``grad_allreduce``, ``metrics``, ...).
+Every place in parallelkit that issues a collective records it here under a *kind* (``grad_allreduce``,
+``metrics``, ...), with the collective's name and group size, and the count is what the algorithm sends
+from this rank over the wire (:func:`sent_bytes`): a ring all-reduce of S bytes over n ranks sends
+2(n−1)/n·S, an all-gather of a shard s sends (n−1)·s, a reduce-scatter or all-to-all of S sends (n−1)/n·S.
+These are the figures the papers' formulas use (ZeRO, Megatron-LM); ``bench/`` checks them against the
+loopback interface's byte counters.
 """
 
 from __future__ import annotations
@@ -26,9 +29,17 @@ class CommStats:
         self._bytes: dict[str, int] = defaultdict(int)
         self._calls: dict[str, int] = defaultdict(int)
 
-    def record(self, kind: str, payload: torch.Tensor | int) -> None:
-        """Count one collective of ``payload`` (a tensor, or a byte count) under ``kind``."""
+    def record(self, kind: str, payload: torch.Tensor | int, op: str | None = None, group_size: int = 2) -> None:
+        """Count one collective under ``kind``.
+
+        ``payload`` is the tensor handed to the collective (or its size in bytes): the whole buffer for
+        all-reduce, reduce-scatter and all-to-all, this rank's shard for all-gather, the message for a
+        send. With ``op`` the count is what that collective sends from this rank (:func:`sent_bytes`);
+        without it, ``payload`` is taken as the bytes sent.
+        """
         nbytes = payload if isinstance(payload, int) else payload.numel() * payload.element_size()
+        if op is not None:
+            nbytes = sent_bytes(op, nbytes, group_size)
         self._bytes[kind] += int(nbytes)
         self._calls[kind] += 1
 
@@ -60,3 +71,21 @@ class CommStats:
                 for k in sorted(self._bytes)
             },
         }
+
+
+def sent_bytes(op: str, payload_bytes: int, group_size: int) -> float:
+    """Bytes one rank sends for collective ``op`` (bandwidth-optimal algorithms: ring / pairwise)."""
+    n = int(group_size)
+    if n <= 1:
+        return 0
+    factors = {
+        "all_reduce": 2 * (n - 1) / n,  # ring: reduce-scatter then all-gather
+        "reduce_scatter": (n - 1) / n,  # payload = the full input
+        "all_to_all": (n - 1) / n,  # payload = the full input; one chunk stays home
+        "all_gather": n - 1,  # payload = this rank's shard
+        "broadcast": 1,  # payload sent once by the source (a tree/ring relays it)
+        "send": 1,
+    }
+    if op not in factors:
+        raise ValueError(f"unknown collective {op!r}; expected one of {sorted(factors)}")
+    return payload_bytes * factors[op]

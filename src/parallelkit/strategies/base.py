@@ -83,7 +83,7 @@ class ParallelKitStrategyMixin:
 
     def _counted_reduce(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
         if self.world_size > 1:
-            self.comm_stats.record(METRICS, tensor)
+            self.comm_stats.record(METRICS, tensor, "all_reduce", self.world_size)
         return self.reduce(tensor.clone(), reduce_op=op)
 
     def model_state_bytes(self) -> dict[str, int]:
@@ -107,3 +107,20 @@ def model_state_bytes(module: torch.nn.Module | None, optimizers: list[Any]) -> 
         "grads": sum(_local_bytes(p.grad) for p in params if p.grad is not None),
         "optimizer": state,
     }
+
+
+def require_capabilities(strategy: Any, who: str, needs: dict[str, str], instead: str = "strategy=ddp") -> None:
+    """Raise :class:`ConfigError` if ``strategy`` lacks a capability in ``needs`` (capability → why ``who`` needs it).
+
+    Decided by asking the strategy (``supports``), never by its class, so a new strategy that offers the
+    capability works with the callback unchanged.
+    """
+    supports = getattr(strategy, "supports", None)
+    name = getattr(strategy, "strategy_name", type(strategy).__name__)
+    missing = {c: why for c, why in needs.items() if supports is None or not supports(c)}
+    if missing:
+        raise ConfigError(
+            f"{who} does not work with strategy={name}: "
+            + "; ".join(f"{why}, which strategy={name} does not offer ({c!r})" for c, why in missing.items())
+            + f". Use {instead}, or drop the callback."
+        )

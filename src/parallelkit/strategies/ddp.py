@@ -70,6 +70,8 @@ class DDPStrategy(ParallelKitStrategyMixin, LightningDDPStrategy):
             start_method="popen",
         )
         self._init_parallelkit()
+        # Who chose the comm hook: the config (strategy.ddp_comm_hook), a callback (use_comm_hook), or nobody.
+        self._comm_hook_owner: str | None = "strategy.ddp_comm_hook" if ddp_comm_hook is not None else None
         self._dp = dp
         self.timeout_s = float(timeout_s)
         self._ddp_options = {
@@ -87,6 +89,48 @@ class DDPStrategy(ParallelKitStrategyMixin, LightningDDPStrategy):
 
     def _requested_dims(self, world_size: int) -> ParallelDims:
         return ParallelDims.from_degrees(world_size, dp=self._dp)
+
+    # ---------------------------------------------------------------- comm hooks chosen by callbacks
+    def reserve_comm_hook(self, owner: str) -> None:
+        """Claim the (single) DDP comm hook for ``owner``; raises :class:`ConfigError` if someone else has it.
+
+        Callbacks call this before any process starts (so a conflict costs one message, exit code 2), then
+        :meth:`use_comm_hook` in their ``setup``.
+        """
+        if self._comm_hook_owner in (None, owner):
+            self._comm_hook_owner = owner
+            return
+        if self._comm_hook_owner == "strategy.ddp_comm_hook":
+            raise ConfigError(
+                f"{owner} installs its own DDP comm hook, but the strategy's config already sets one "
+                "(strategy.ddp_comm_hook, e.g. strategy=ddp_fp16); DDP runs exactly one hook per model. Use "
+                "strategy=ddp without a hook (strategy.ddp_comm_hook=null), or drop the callback."
+            )
+        raise ConfigError(
+            f"{owner} and {self._comm_hook_owner} both install a DDP comm hook, but DDP runs exactly one hook "
+            "per model. Use one of these callbacks per run."
+        )
+
+    def use_comm_hook(self, hook: Callable, state: Any, owner: str) -> None:
+        """Register ``hook`` with ``state`` at the DDP wrap (call from a callback's ``setup``).
+
+        Callbacks' ``setup`` runs after the process group exists and before :meth:`setup` wraps the
+        model, which is when DDP accepts a hook. A hook marked with
+        :func:`~parallelkit.distributed.comm_hooks.counts_own_traffic` counts its own collectives.
+        """
+        if isinstance(self.model, DistributedDataParallel):
+            raise RuntimeError(
+                f"{owner} asked for a DDP comm hook after the model was wrapped in DDP; install it from the "
+                "callback's setup(), which Lightning runs before the strategy wraps the model."
+            )
+        self.reserve_comm_hook(owner)
+        self._ddp_comm_hook = hook
+        self._ddp_comm_state = state
+
+    @property
+    def data_parallel_group(self) -> Any:
+        """The process group that DDP averages gradients over (after the process group is set up)."""
+        return self.device_mesh.get_group(DP)
 
     # ---------------------------------------------------------------- Lightning hooks
     def _configure_launcher(self) -> None:

@@ -117,6 +117,7 @@ class MeshStrategy(ParallelKitStrategyMixin, ModelParallelStrategy):
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
+            self.shard_optimizers()
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
@@ -125,6 +126,15 @@ class MeshStrategy(ParallelKitStrategyMixin, ModelParallelStrategy):
         """Apply this strategy's techniques to ``model`` in place (the subclass's composition)."""
         raise NotImplementedError
 
+    def shard_optimizers(self) -> None:
+        """Called once the optimizers exist (ZeRO stages 1-2 shard their state here); default: nothing."""
+
+    def after_optimizer_step(self) -> None:
+        """Called after every optimizer step (ZeRO stages 1-2 all-gather the updated parameters here)."""
+
+    def after_grad_sync(self) -> None:
+        """Called once the gradients are averaged, before clipping (pipeline: clip by the norm over all stages)."""
+
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         # Lightning runs forward and backward inside ``closure``; averaging the gradients right after it
         # puts the sync before gradient clipping and ``on_before_optimizer_step`` callbacks.
@@ -132,6 +142,9 @@ class MeshStrategy(ParallelKitStrategyMixin, ModelParallelStrategy):
             result = closure()
             for sync in self.grad_syncs:
                 sync.sync()
+            self.after_grad_sync()
             return result
 
-        return super().optimizer_step(optimizer, closure_then_sync, model, **kwargs)
+        result = super().optimizer_step(optimizer, closure_then_sync, model, **kwargs)
+        self.after_optimizer_step()
+        return result

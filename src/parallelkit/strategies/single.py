@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from lightning.pytorch.strategies import SingleDeviceStrategy
 
+from parallelkit.distributed.checkpoint_io import is_sharded_checkpoint, load_into_single_process
 from parallelkit.distributed.parallel_dims import ParallelDims
 from parallelkit.strategies.base import LIGHTNING_BACKWARD, REPLICATED_PARAMS, ParallelKitStrategyMixin
 
@@ -36,3 +39,9 @@ class SingleStrategy(ParallelKitStrategyMixin, SingleDeviceStrategy):
 
     def _requested_dims(self, world_size: int) -> ParallelDims:
         return ParallelDims(world_size=1)
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """Also resumes from a sharded checkpoint directory written by a multi-rank run (gathered here)."""
+        if is_sharded_checkpoint(checkpoint_path):
+            return load_into_single_process(checkpoint_path, self.lightning_module)
+        return super().load_checkpoint(checkpoint_path, weights_only=weights_only)

@@ -1,0 +1,72 @@
+"""Read any parallelkit checkpoint in the unsharded, per-parameter layout, whatever wrote it.
+
+Strategies that shard on a mesh save with ``torch.distributed.checkpoint`` (a directory: one file per
+rank plus Lightning's ``meta.pt``); their optimizer state is keyed by parameter name ("FQN"), the layout
+``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict`` produces. Single-process and DDP runs
+save one file whose optimizer state is keyed by parameter index. These helpers load either into full
+tensors in this process and convert between the two optimizer layouts, so a checkpoint written at N ranks
+resumes at M ranks or in one process.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+META_FILE = "meta.pt"  # Lightning's ModelParallelStrategy writes the non-tensor state here
+
+
+def is_sharded_checkpoint(path: str | Path) -> bool:
+    return Path(path).is_dir() and (Path(path) / META_FILE).is_file()
+
+
+def load_unsharded(path: str | Path) -> dict[str, Any]:
+    """The whole checkpoint in this process: ``state_dict``, the optimizer states, loops, callbacks...
+
+    For a sharded directory the optimizer states come back as ``optimizer_0, optimizer_1, ...`` in the
+    FQN layout; for a file, as Lightning's ``optimizer_states`` list in the index layout.
+    """
+    path = Path(path)
+    if not is_sharded_checkpoint(path):
+        return torch.load(path, map_location="cpu", weights_only=False)
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process.*")
+        tensors = _load_state_dict_from_keys(checkpoint_id=str(path))
+    meta = torch.load(path / META_FILE, map_location="cpu", weights_only=False)
+    return {**meta, **tensors}
+
+
+def fqn_optimizer_states(checkpoint: dict[str, Any], names: list[str]) -> list[dict[str, Any]]:
+    """The optimizer states of ``checkpoint`` in the FQN layout (``names``: parameter names, in index order)."""
+    if "optimizer_states" in checkpoint:
+        return [index_to_fqn(state, names) for state in checkpoint["optimizer_states"]]
+    return [checkpoint[k] for k in sorted((k for k in checkpoint if k.startswith("optimizer_")), key=lambda k: int(k.split("_")[1]))]
+
+
+def index_to_fqn(state: dict[str, Any], names: list[str]) -> dict[str, Any]:
+    groups = [{**g, "params": [names[i] for i in g["params"]]} for g in state["param_groups"]]
+    return {"state": {names[i]: v for i, v in state["state"].items()}, "param_groups": groups}
+
+
+def fqn_to_index(state: dict[str, Any], names: list[str]) -> dict[str, Any]:
+    index = {name: i for i, name in enumerate(names)}
+    groups = [{**g, "params": [index[n] for n in g["params"]]} for g in state["param_groups"]]
+    return {"state": {index[n]: v for n, v in state["state"].items() if n in index}, "param_groups": groups}
+
+
+def load_into_single_process(path: str | Path, module: torch.nn.Module) -> dict[str, Any]:
+    """A Lightning checkpoint dict (index layout) for a one-process run, from a file or a sharded directory."""
+    checkpoint = load_unsharded(path)
+    if "optimizer_states" in checkpoint:
+        return checkpoint
+    names = [name for name, _ in module.named_parameters()]
+    states = fqn_optimizer_states(checkpoint, names)
+    for key in [k for k in checkpoint if k.startswith("optimizer_")]:
+        del checkpoint[key]
+    checkpoint["optimizer_states"] = [fqn_to_index(s, names) for s in states]
+    return checkpoint

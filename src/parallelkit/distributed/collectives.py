@@ -1,0 +1,65 @@
+"""Counted reduce-scatter and all-gather, with a reduce-scatter that costs what the theory says on gloo.
+
+gloo has no native reduce-scatter: ``reduce_scatter_tensor`` on gloo runs a full all-reduce and keeps a
+slice, so every rank sends 2(n−1)/n of the buffer instead of (n−1)/n — which is why FSDP2 and DeepSpeed
+send about 1.5-2× the ZeRO paper's bytes on CPU. :func:`reduce_scatter` instead sends chunk ``j`` of the
+input straight to rank ``j`` with one ``all_to_all_single`` and sums the ``n`` chunks it receives: (n−1)/n
+of the buffer leaves each rank, the bandwidth-optimal figure. On NCCL the native collective is used.
+
+Both functions record what they send in a :class:`CommStats` (see :func:`comm_stats.sent_bytes`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from parallelkit.distributed.comm_stats import CommStats
+
+
+def _group_size(group: Any) -> int:
+    return dist.get_world_size(group)
+
+
+def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: Any, stats: CommStats | None = None, kind: str = "grad_reduce_scatter") -> None:
+    """``output`` = this rank's chunk of the element-wise **sum** of ``input`` over ``group``.
+
+    ``input`` is flat with ``n × output.numel()`` elements, chunk ``j`` going to group rank ``j``.
+    """
+    n = _group_size(group)
+    if input.numel() != n * output.numel():
+        raise ValueError(f"reduce_scatter: input has {input.numel()} elements, expected {n} × {output.numel()}")
+    if stats is not None:
+        stats.record(kind, input, "reduce_scatter", n)
+    if n == 1:
+        output.copy_(input.view_as(output))
+        return
+    if dist.get_backend(group) == "nccl":
+        dist.reduce_scatter_tensor(output, input, group=group)
+        return
+    received = torch.empty_like(input)
+    dist.all_to_all_single(received, input.contiguous(), group=group)
+    torch.sum(received.view(n, -1), dim=0, out=output.view(-1))
+
+
+def all_gather(output: torch.Tensor, input: torch.Tensor, group: Any, stats: CommStats | None = None, kind: str = "param_all_gather") -> None:
+    """``output`` = the concatenation of every group rank's ``input`` (flat, in group-rank order)."""
+    n = _group_size(group)
+    if stats is not None:
+        stats.record(kind, input, "all_gather", n)
+    if n == 1:
+        output.view(-1).copy_(input.view(-1))
+        return
+    dist.all_gather_into_tensor(output, input.contiguous(), group=group)
+
+
+def all_reduce(tensor: torch.Tensor, group: Any, stats: CommStats | None = None, kind: str = "grad_all_reduce") -> None:
+    """In-place sum over ``group``, counted."""
+    n = _group_size(group)
+    if n == 1:
+        return
+    if stats is not None:
+        stats.record(kind, tensor, "all_reduce", n)
+    dist.all_reduce(tensor, group=group)

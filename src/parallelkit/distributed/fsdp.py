@@ -1,0 +1,98 @@
+"""ZeRO stage 3 on FSDP2 (``fully_shard``): parameters, gradients and optimizer state all sharded.
+
+Each sharding unit (by default every transformer block, then the root) all-gathers its parameters right
+before it runs, forward and backward, and reduce-scatters its gradients after backward. parallelkit plugs
+its own collectives into FSDP2 (``set_custom_reduce_scatter`` / ``set_custom_all_gather``) so that the
+traffic is counted, and so that on gloo the reduce-scatter is the bandwidth-optimal all-to-all of
+:mod:`parallelkit.distributed.collectives` instead of gloo's all-reduce-and-slice. With a 2-D mesh
+``(dp, sharding)`` this is HSDP (grouped sharding): shard inside a group, all-reduce across groups.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, fully_shard
+from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+
+from parallelkit.distributed.collectives import reduce_scatter
+from parallelkit.distributed.comm_stats import CommStats
+
+
+class _CountedAllGather(AllGather):
+    def __init__(self, stats: CommStats | None) -> None:
+        self.stats = stats
+
+    def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, async_op: bool = False) -> Any:
+        if self.stats is not None:
+            self.stats.record("param_all_gather", input_tensor, "all_gather", dist.get_world_size(group))
+        return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
+
+
+class _CountedReduceScatter(ReduceScatter):
+    def __init__(self, stats: CommStats | None) -> None:
+        self.stats = stats
+
+    def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, op: Any, async_op: bool = False) -> Any:
+        if op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
+            raise NotImplementedError(f"parallelkit's reduce-scatter handles SUM and AVG, FSDP2 asked for {op}")
+        reduce_scatter(output_tensor, input_tensor, group, self.stats)
+        if op == dist.ReduceOp.AVG:
+            output_tensor.div_(dist.get_world_size(group))
+        return None  # synchronous: FSDP2 then needs no work handle
+
+
+def sharding_units(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The default sharding units: ``model.sharding_units()`` if the model names them, else every child of a
+    ``ModuleList``/``ModuleDict`` (a transformer's blocks)."""
+    if callable(getattr(model, "sharding_units", None)):
+        return list(model.sharding_units())
+    units = []
+    for module in model.modules():
+        if isinstance(module, (torch.nn.ModuleList, torch.nn.ModuleDict)):
+            units.extend(module.children())
+    return units
+
+
+def apply_fsdp(
+    model: torch.nn.Module,
+    mesh: Any,
+    *,
+    per_block: bool = True,
+    reshard_after_forward: bool = True,
+    offload_params: bool = False,
+    comm_stats: CommStats | None = None,
+) -> torch.nn.Module:
+    """Shard ``model`` in place with FSDP2 over ``mesh`` (1-D: sharding; 2-D ``(dp, sharding)``: HSDP).
+
+    Args:
+        per_block: one unit per block (:func:`sharding_units`), so only one block's full parameters exist at
+            a time; ``False``: the whole model is one unit.
+        reshard_after_forward: free the gathered parameters after forward (ZeRO-3) and gather again for
+            backward.
+        offload_params: keep the parameter shards, their gradients and the optimizer state in host memory
+            (the optimizer then steps on the host).
+    """
+    offload: OffloadPolicy = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if offload_params else OffloadPolicy()
+    kwargs = {"mesh": mesh, "reshard_after_forward": reshard_after_forward, "offload_policy": offload}
+    units = sharding_units(model) if per_block else []
+    for unit in units:
+        fully_shard(unit, **kwargs)
+    fully_shard(model, **kwargs)
+    replicas = mesh.size(0) if mesh.ndim == 2 else 1
+    for module in [*units, model]:
+        assert isinstance(module, FSDPModule)
+        module.set_custom_all_gather(_CountedAllGather(comm_stats))
+        module.set_custom_reduce_scatter(_CountedReduceScatter(comm_stats))
+        if replicas > 1 and comm_stats is not None:
+            # HSDP all-reduces the reduced shard across replicas itself; the hook sees that tensor.
+            module.set_all_reduce_hook(lambda grad, n=replicas: comm_stats.record("grad_all_reduce", grad, "all_reduce", n))
+    return model

@@ -1,0 +1,193 @@
+"""ZeRO data parallelism, native PyTorch: stage 0 (plain DP), 1 (optimizer state), 2 (+ gradients), 3 (+ parameters).
+
+Composition: stages 1-2 shard the optimizer with :class:`~parallelkit.distributed.zero_optimizer.ZeroOptimizer`
+once it exists; stage 3 shards the model with FSDP2 (:func:`~parallelkit.distributed.fsdp.apply_fsdp`) before
+the optimizer is created. Grouped sharding (``sharding_group=K``) shards inside groups of K consecutive
+ranks (the ``sharding`` mesh axis) and replicates across groups (the ``dp`` axis).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from parallelkit.distributed.checkpoint_io import fqn_optimizer_states, load_unsharded
+from parallelkit.distributed.fsdp import apply_fsdp
+from parallelkit.distributed.grad_sync import apply_grad_allreduce
+from parallelkit.distributed.parallel_dims import DP, SHARDING, ParallelDims
+from parallelkit.distributed.zero_optimizer import ZeroOptimizer
+from parallelkit.errors import ConfigError
+from parallelkit.strategies.base import LIGHTNING_BACKWARD, REPLICATED_PARAMS
+from parallelkit.strategies.mesh import DEFAULT_TIMEOUT_S, MeshStrategy
+
+OFFLOAD_CHOICES = ("none", "optimizer", "params")
+
+
+class ZeroStrategy(MeshStrategy):
+    """Shard model state over the data-parallel ranks (ZeRO, Rajbhandari et al. 2020).
+
+    Args:
+        stage: 0 = plain data parallel; 1 = optimizer state sharded; 2 = + gradients; 3 = + parameters.
+        sharding_group: ranks per sharding group (``None``/-1: all ranks); must divide the world size.
+        offload: ``none``; ``optimizer`` (stages 1-2: owned slices and optimizer state on the host, stepped
+            there); ``params`` (stage 3: parameter shards, gradients and optimizer state on the host).
+        per_block: stage 3 wraps every transformer block as its own unit (else one unit for the model).
+        reshard_after_forward: stage 3 frees gathered parameters after forward and gathers them again
+            for backward (ZeRO-3); ``False`` keeps them until after backward (less traffic, more memory).
+        bucket_cap_mb: stages 0-2 gradient/parameter bucket size (communication fusion).
+
+    Example::
+
+        Trainer(strategy=ZeroStrategy(stage=2, sharding_group=2), devices=4, accelerator="cpu")
+    """
+
+    strategy_name = "zero"
+
+    def __init__(
+        self,
+        stage: int = 3,
+        sharding_group: int | None = None,
+        offload: str = "none",
+        per_block: bool = True,
+        reshard_after_forward: bool = True,
+        bucket_cap_mb: float = 25.0,
+        save_distributed_checkpoint: bool = True,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        process_group_backend: str | None = None,
+    ) -> None:
+        if stage not in (0, 1, 2, 3) or isinstance(stage, bool):
+            raise ConfigError(f"strategy.stage must be 0, 1, 2 or 3 (0 = plain DP, 1 = optimizer state, 2 = + gradients, 3 = + parameters). Got {stage!r}.")
+        if offload not in OFFLOAD_CHOICES:
+            raise ConfigError(f"strategy.offload must be one of {', '.join(OFFLOAD_CHOICES)}. Got {offload!r}.")
+        if offload == "params" and stage != 3:
+            raise ConfigError(
+                f"strategy.offload=params needs strategy.stage=3: only stage 3 shards the parameters, so stage {stage} "
+                "cannot keep them on the host. Use strategy.stage=3, or strategy.offload=optimizer with stage 1 or 2."
+            )
+        if offload == "optimizer" and stage in (0, 3):
+            hint = "stage 3 offloads with offload=params (FSDP2 moves parameters, gradients and optimizer state together)" if stage == 3 else "stage 0 has no sharded optimizer to offload"
+            raise ConfigError(f"strategy.offload=optimizer needs strategy.stage=1 or 2; {hint}.")
+        if sharding_group is not None and sharding_group != -1 and (not isinstance(sharding_group, int) or isinstance(sharding_group, bool) or sharding_group < 1):
+            raise ConfigError(f"strategy.sharding_group must be a positive int (ranks per sharding group) or null/-1 (all ranks). Got {sharding_group!r}.")
+        if not isinstance(bucket_cap_mb, (int, float)) or bucket_cap_mb <= 0:
+            raise ConfigError(f"strategy.bucket_cap_mb should be a number greater than 0. Got {bucket_cap_mb!r}.")
+        super().__init__(save_distributed_checkpoint=save_distributed_checkpoint, timeout_s=timeout_s, process_group_backend=process_group_backend)
+        self.stage = stage
+        self.sharding_group = None if sharding_group in (None, -1) else sharding_group
+        self.offload = offload
+        self.per_block = per_block
+        self.reshard_after_forward = reshard_after_forward
+        self.bucket_cap_mb = float(bucket_cap_mb)
+        # Stages 0-2 keep full parameters on every rank between steps; stage 3 keeps shards only.
+        self.capabilities = frozenset({LIGHTNING_BACKWARD} | ({REPLICATED_PARAMS} if stage < 3 else set()))
+        self.zero_optimizers: list[ZeroOptimizer] = []
+
+    # ---------------------------------------------------------------- planning
+    def _requested_dims(self, world_size: int) -> ParallelDims:
+        if self.stage == 0:
+            return ParallelDims.from_degrees(world_size, dp=-1)
+        group = self.sharding_group or world_size
+        if world_size % group:
+            divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
+            raise ConfigError(
+                f"strategy.sharding_group={group} does not divide the world size {world_size} (trainer.devices × "
+                f"trainer.num_nodes): ranks are split into groups of sharding_group. Use one of {divisors}."
+            )
+        return ParallelDims.from_degrees(world_size, dp=world_size // group, sharding=group)
+
+    # ---------------------------------------------------------------- composition
+    def parallelize(self, model: torch.nn.Module) -> None:
+        dims = self.parallel_dims
+        if self.stage == 0:
+            self.grad_syncs.append(apply_grad_allreduce(model.parameters(), self.device_mesh.get_group(DP), comm_stats=self.comm_stats, bucket_mb=self.bucket_cap_mb))
+        elif self.stage == 3:
+            mesh = self.device_mesh[(DP, SHARDING)] if dims.dp > 1 else self.device_mesh[SHARDING]
+            apply_fsdp(
+                model,
+                mesh,
+                per_block=self.per_block,
+                reshard_after_forward=self.reshard_after_forward,
+                offload_params=self.offload == "params",
+                comm_stats=self.comm_stats,
+            )
+
+    def shard_optimizers(self) -> None:
+        if self.stage not in (1, 2):
+            return
+        clip = getattr(self.lightning_module.trainer, "gradient_clip_val", None)
+        if clip:
+            raise ConfigError(
+                f"trainer.gradient_clip_val={clip} with strategy=zero stage {self.stage}: each rank holds only its slice "
+                "of the gradients, and clipping them by norm is not implemented yet. Use stage 0 or 3, or no clipping."
+            )
+        dims = self.parallel_dims
+        names = {p: name for name, p in self.lightning_module.named_parameters()}
+        for optimizer in self.optimizers:
+            zero = ZeroOptimizer(
+                optimizer,
+                stage=self.stage,
+                shard_group=self.device_mesh.get_group(SHARDING),
+                replicate_group=self.device_mesh.get_group(DP) if dims.dp > 1 else None,
+                param_names=names,
+                offload=self.offload == "optimizer",
+                bucket_mb=self.bucket_cap_mb,
+                comm_stats=self.comm_stats,
+            )
+            self.zero_optimizers.append(zero)
+            self.grad_syncs.append(_ReduceGradients(zero))
+
+    def after_optimizer_step(self) -> None:
+        for zero in self.zero_optimizers:
+            zero.all_gather_params()
+
+    # ---------------------------------------------------------------- accounting
+    def model_state_bytes(self) -> dict[str, int]:
+        if not self.zero_optimizers:
+            return super().model_state_bytes()
+        totals = {"params": 0, "grads": 0, "optimizer": 0}
+        for zero in self.zero_optimizers:
+            for key, value in zero.state_bytes().items():
+                totals[key] += value
+        return totals
+
+    # ---------------------------------------------------------------- checkpoints
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        zero = self._zero_for(optimizer)
+        return zero.full_state_dict() if zero is not None else super().optimizer_state(optimizer)
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        if not self.zero_optimizers and self.stage != 0:
+            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        # Stages 0-2 hold full parameters: load the unsharded checkpoint, keep this rank's optimizer slices.
+        path = Path(self.broadcast(str(checkpoint_path)))
+        checkpoint = load_unsharded(path)
+        self.lightning_module.load_state_dict(checkpoint.pop("state_dict"), strict=self.lightning_module.strict_loading)
+        names = [name for name, _ in self.lightning_module.named_parameters()]
+        states = fqn_optimizer_states(checkpoint, names)
+        for index, optimizer in enumerate(self.optimizers):
+            zero = self._zero_for(optimizer)
+            if zero is not None:
+                zero.load_full_state_dict(states[index])
+            else:
+                from parallelkit.distributed.checkpoint_io import fqn_to_index
+
+                optimizer.load_state_dict(fqn_to_index(states[index], names))
+        for key in [k for k in checkpoint if k.startswith("optimizer_")]:
+            del checkpoint[key]
+        return checkpoint
+
+    def _zero_for(self, optimizer: Any) -> ZeroOptimizer | None:
+        optimizer = getattr(optimizer, "_optimizer", optimizer)  # LightningOptimizer
+        return next((z for z in self.zero_optimizers if z.optimizer is optimizer), None)
+
+
+class _ReduceGradients:
+    """Adapts a :class:`ZeroOptimizer` to the strategy's after-backward ``grad_syncs`` list."""
+
+    def __init__(self, zero: ZeroOptimizer) -> None:
+        self.zero = zero
+
+    def sync(self) -> None:
+        self.zero.reduce_gradients()
