@@ -28,6 +28,11 @@ BAD_INPUT = [
     (["NO_TINY", "model=gpt", "data=synthetic"], 2, ["model=gpt does not fit data=synthetic"]),
     (["trainer.devices=0"], 2, ["trainer.devices", "greater than 0"]),
     (["strategy.timeout_s=0"], 2, ["strategy.timeout_s"]),
+    (["strategy=zero", "strategy.stage=5"], 2, ["strategy.stage must be 0, 1, 2 or 3", "Got 5"]),
+    (["strategy=zero", "trainer.devices=4", "strategy.sharding_group=3"], 2, ["sharding_group=3", "world size 4", "[1, 2, 4]"]),
+    (["strategy=zero", "strategy.stage=1", "strategy.offload=params"], 2, ["offload=params needs strategy.stage=3", "stage 1"]),
+    (["strategy=zero", "strategy.stage=3", "strategy.offload=optimizer"], 2, ["offload=optimizer needs strategy.stage=1 or 2"]),
+    (["strategy=zero", "strategy.offload=disk"], 2, ["strategy.offload must be one of none, optimizer, params", "'disk'"]),
 ]
 
 
