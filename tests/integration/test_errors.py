@@ -33,6 +33,9 @@ BAD_INPUT = [
     (["strategy=zero", "strategy.stage=1", "strategy.offload=params"], 2, ["offload=params needs strategy.stage=3", "stage 1"]),
     (["strategy=zero", "strategy.stage=3", "strategy.offload=optimizer"], 2, ["offload=optimizer needs strategy.stage=1 or 2"]),
     (["strategy=zero", "strategy.offload=disk"], 2, ["strategy.offload must be one of none, optimizer, params", "'disk'"]),
+    (["callbacks=[amp]", "callbacks.amp.dtype=fp8"], 2, ["callbacks.amp.dtype must be one of", "'fp8'"]),
+    (["callbacks=[amp]", "callbacks.amp.incr_ratio=4.0"], 2, ["callbacks.amp.incr_ratio only applies to dtype=fp16"]),
+    (["recompute=most"], 2, ["recompute must be one of none, full, selective", "'most'"]),
 ]
 
 
