@@ -18,6 +18,8 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from parallelkit import local_launch
+from parallelkit.distributed.compile import apply_compile
+from parallelkit.distributed.recompute import apply_recompute
 from parallelkit.errors import ConfigError
 
 # Environment variables Lightning's launcher sets for a job; a sweep's next job must start without them.
@@ -146,6 +148,8 @@ def _run(cfg: DictConfig) -> dict[str, Any] | None:
     accelerator = resolve_accelerator(trainer_cfg.pop("accelerator", "auto"))
     if hasattr(strategy, "bind_accelerator"):
         strategy.bind_accelerator(accelerator)
+    if hasattr(strategy, "bind_trainer_config"):  # a strategy that applies Trainer settings itself checks them now
+        strategy.bind_trainer_config(trainer_cfg)
     devices = resolve_devices(trainer_cfg.pop("devices", None), strategy, accelerator)
     num_nodes = resolve_num_nodes(trainer_cfg.pop("num_nodes", 1), devices)
     dims = strategy.plan(devices * num_nodes)
@@ -156,7 +160,18 @@ def _run(cfg: DictConfig) -> dict[str, Any] | None:
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
     check_model_fits_data(cfg, datamodule.model_kwargs())
     model = build(cfg.model, "the model (model=...)", **datamodule.model_kwargs())
+    # Techniques of the model's own computation, shared by every strategy (they keep module names, so the
+    # strategy's plans still apply): recomputation now, compilation lazily at the first forward.
+    apply_recompute(model, cfg.get("recompute", "none"))
+    if cfg.get("compile", False):
+        apply_compile(model, "cuda" if accelerator == "gpu" else "cpu")
+    if hasattr(strategy, "check_model"):  # a strategy that splits the model checks it can (e.g. heads % tp)
+        strategy.check_model(model, dims.world_size)
     module = TrainModule(model, build(cfg.optim.optimizer, "the optimizer (optim=...)"), **OmegaConf.to_container(cfg.optim.schedule, resolve=True))
+    # A strategy whose plan depends on the model or the batches (pipeline split points, micro-batches)
+    # checks them here, still before the other ranks are released.
+    if hasattr(strategy, "check_workload"):
+        strategy.check_workload(model, datamodule)
 
     summary = RunSummary(out, plan.global_batch_size, sum(p.numel() for p in model.parameters()))
     every = cfg.checkpoint.every_n_steps
@@ -170,6 +185,11 @@ def _run(cfg: DictConfig) -> dict[str, Any] | None:
         save_on_train_epoch_end=not step_based,  # not after validation: last.ckpt is the final state
     )
     callbacks = [build(node, f"callback {name!r}") for name, node in (cfg.get("callbacks") or {}).items()]
+    # A callback that needs something of the strategy (a DDP comm hook, replicated parameters) says so now,
+    # before the other ranks start work: one message and exit code 2, not an error in every rank.
+    for callback in callbacks:
+        if callable(getattr(callback, "check_strategy", None)):
+            callback.check_strategy(strategy, dims)
     if trainer_cfg.get("enable_progress_bar") is None:  # auto: a bar on a terminal, none in log files
         trainer_cfg["enable_progress_bar"] = sys.stdout.isatty()
     try:
