@@ -167,7 +167,7 @@ def _run(cfg: DictConfig) -> dict[str, Any] | None:
         apply_compile(model, "cuda" if accelerator == "gpu" else "cpu")
     if hasattr(strategy, "check_model"):  # a strategy that splits the model checks it can (e.g. heads % tp)
         strategy.check_model(model, dims.world_size)
-    module = TrainModule(model, build(cfg.optim.optimizer, "the optimizer (optim=...)"), **OmegaConf.to_container(cfg.optim.schedule, resolve=True))
+    module = TrainModule(model, build(cfg.optim.optimizer, "the optimizer (optim=...)"), **OmegaConf.to_container(cfg.optim.schedule, resolve=True), step_seed=cfg.seed)
     # A strategy whose plan depends on the model or the batches (pipeline split points, micro-batches)
     # checks them here, still before the other ranks are released.
     if hasattr(strategy, "check_workload"):

@@ -35,3 +35,12 @@ class SigtermRank(Callback):
             self.sent = True
             print(f"fault_injection: SIGTERM to rank {self.rank} at step {trainer.global_step}", file=sys.stderr, flush=True)
             os.kill(os.getpid(), signal.SIGTERM)
+
+
+class ForgetDataPosition(Callback):
+    """A deliberately broken resume (negative control): drop the sampler's mid-epoch position before training."""
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        sampler = getattr(trainer.datamodule, "_train_sampler", None)
+        if sampler is not None:
+            sampler._resume = {}

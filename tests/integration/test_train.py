@@ -41,8 +41,8 @@ def train(args: list[str], cwd: Path, timeout: float = 240, env: dict | None = N
     )
 
 
-def run_ok(args: list[str], run_dir: Path) -> dict:
-    proc = train([*args, f"hydra.run.dir={run_dir}"], cwd=run_dir.parent)
+def run_ok(args: list[str], run_dir: Path, env: dict | None = None) -> dict:
+    proc = train([*args, f"hydra.run.dir={run_dir}"], cwd=run_dir.parent, env=env)
     assert proc.returncode == 0, f"train.py {' '.join(args)} exited {proc.returncode}\n{proc.stderr[-4000:]}"
     return json.loads((run_dir / "summary.json").read_text())
 

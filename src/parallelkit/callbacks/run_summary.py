@@ -56,9 +56,11 @@ class RunSummary(Callback):
         self._step_ends: list[float] = []
         self._grad_bytes = 0
         self.summary: dict[str, Any] | None = None
+        self._trainer: pl.Trainer | None = None
 
     # ---------------------------------------------------------------- per step
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._trainer = trainer
         self._seen_step = trainer.global_step
         self._step_ends = [time.perf_counter()]
 
@@ -80,10 +82,11 @@ class RunSummary(Callback):
             self._pending.append(self._accum)
             self._accum = None
             # Providers of per-step values (e.g. the MoE model's routing metrics): one metrics.csv row per step.
+            step_values: dict[str, float] = {}
             for provider in _step_metric_providers(trainer, pl_module):
-                values = provider.step_metrics()
-                if values:
-                    log_step_metrics(trainer, values)
+                step_values.update(provider.step_metrics())
+            if step_values:
+                log_step_metrics(trainer, step_values)
             if len(self._pending) >= max(trainer.log_every_n_steps, 1):
                 self._flush(trainer)
 
@@ -151,6 +154,10 @@ class RunSummary(Callback):
             print_summary_table(summary, self.output_dir)
 
     def state_dict(self) -> dict[str, Any]:
+        # Checkpoints are written on every rank at once: average the pending losses now (one collective),
+        # so a resumed run's history has every step up to the checkpoint.
+        if self._pending and self._trainer is not None:
+            self._flush(self._trainer)
         return {"train_loss": list(self.train_loss)}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

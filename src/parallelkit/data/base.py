@@ -36,6 +36,8 @@ class DataParallelDataModule(pl.LightningDataModule):
         self.plan: BatchPlan | None = None
         self.train_set: Dataset | None = None
         self.val_set: Dataset | None = None
+        self._train_sampler: DataParallelBatchSampler | None = None
+        self._resume: tuple[int, int] | None = None
 
     # Subclasses -------------------------------------------------------------
     def build(self) -> None:
@@ -77,7 +79,29 @@ class DataParallelDataModule(pl.LightningDataModule):
 
     def train_dataloader(self) -> DataLoader:
         sampler = DataParallelBatchSampler(len(self.train_set), self.plan, self._data_parallel_rank(), self.seed)
+        if self._resume is not None:
+            sampler.resume_at(*self._resume)
+        self._train_sampler = sampler
         return DataLoader(self.train_set, batch_sampler=sampler, num_workers=self.num_workers)
+
+    # Exact resume -----------------------------------------------------------
+    # Lightning restores its loop counters but restarts a plain DataLoader at the beginning of the epoch;
+    # the checkpoint therefore records how many micro-batches of the epoch were consumed, and the sampler
+    # skips them on resume, so a resumed run sees exactly the batches an uninterrupted run would.
+    def state_dict(self) -> dict[str, Any]:
+        trainer = getattr(self, "trainer", None)
+        if trainer is None:
+            return {}
+        # ``processed`` counts the batches whose training step finished in this epoch (checkpoints are
+        # written in on_train_batch_end, after the count; the loader itself has prefetched one more).
+        return {"epoch": trainer.current_epoch, "batches_done": trainer.fit_loop.epoch_loop.batch_progress.current.processed}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if not state_dict:
+            return
+        self._resume = (int(state_dict["epoch"]), int(state_dict["batches_done"]))
+        if self._train_sampler is not None:
+            self._train_sampler.resume_at(*self._resume)
 
     def val_dataloader(self) -> DataLoader:
         rank = self._data_parallel_rank()

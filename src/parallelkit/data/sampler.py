@@ -69,6 +69,11 @@ class DataParallelBatchSampler(Sampler[list[int]]):
         self.sampler = GlobalOrder(num_samples, seed, shuffle)
         # Incomplete global batches are dropped: every optimizer step sees the full global batch.
         self.steps_per_epoch = num_samples // plan.global_batch_size
+        self._resume: dict[int, int] = {}  # epoch → micro-batches already consumed (mid-epoch resume)
+
+    def resume_at(self, epoch: int, batches_done: int) -> None:
+        """The next pass over ``epoch`` starts after its first ``batches_done`` micro-batches (once)."""
+        self._resume = {epoch: batches_done}
 
     def set_epoch(self, epoch: int) -> None:
         self.sampler.set_epoch(epoch)
@@ -84,7 +89,11 @@ class DataParallelBatchSampler(Sampler[list[int]]):
         order = list(self.sampler)
         plan = self.plan
         chunk = plan.micro_batch_size * plan.data_parallel_size
+        skip = self._resume.pop(self.epoch, 0)
         for step in range(self.steps_per_epoch):
             for accum in range(plan.accumulate):
+                if skip:
+                    skip -= 1
+                    continue
                 start = step * plan.global_batch_size + accum * chunk + self.rank * plan.micro_batch_size
                 yield order[start : start + plan.micro_batch_size]

@@ -21,6 +21,7 @@ class TrainModule(pl.LightningModule):
         warmup_steps: linear learning-rate warm-up over this many steps (0 = none).
         decay_steps: cosine decay to ``min_lr_ratio × lr`` over this many steps after warm-up (0 = constant).
         min_lr_ratio: final learning rate as a fraction of the initial one.
+        step_seed: if set, each training micro-batch reseeds torch's generator from (seed, epoch, batch, rank).
 
     Example::
 
@@ -28,13 +29,14 @@ class TrainModule(pl.LightningModule):
         Trainer(strategy=DDPStrategy()).fit(module, datamodule=dm)
     """
 
-    def __init__(self, model: torch.nn.Module, optimizer: Callable[..., torch.optim.Optimizer], warmup_steps: int = 0, decay_steps: int = 0, min_lr_ratio: float = 0.1) -> None:
+    def __init__(self, model: torch.nn.Module, optimizer: Callable[..., torch.optim.Optimizer], warmup_steps: int = 0, decay_steps: int = 0, min_lr_ratio: float = 0.1, step_seed: int | None = None) -> None:
         super().__init__()
         self.model = model
         self.optimizer_factory = optimizer
         self.warmup_steps = warmup_steps
         self.decay_steps = decay_steps
         self.min_lr_ratio = min_lr_ratio
+        self.step_seed = step_seed
 
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
         return self.model(inputs)
@@ -43,13 +45,24 @@ class TrainModule(pl.LightningModule):
         inputs, targets = batch
         # Not logged here: self.log costs ~0.7 ms a step. parallelkit's RunSummary callback averages the
         # returned losses over ranks every log_every_n_steps steps, for metrics.csv, summary.json and the bar.
-        return self.model.loss(self(inputs), targets)
+        return _plain(self.model.loss(self(inputs), targets))
 
     def validation_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         inputs, targets = batch
-        loss = self.model.loss(self(inputs), targets)
+        loss = _plain(self.model.loss(self(inputs), targets))
         self.log("val_loss", loss, prog_bar=True, sync_dist=True, on_epoch=True)
         return loss
+
+    # Exact resume: the random stream of each training micro-batch (dropout masks) is derived from
+    # (seed, epoch, batch index, data-parallel rank) at the start of the batch, so it does not depend on
+    # what consumed random numbers before (data loader iterators, validation, a restart): a resumed run
+    # draws exactly what the uninterrupted run drew. Tensor/pipeline peers share a data-parallel rank and
+    # therefore draw the same masks for the activations they hold replicated.
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        if self.step_seed is not None:
+            trainer = self.trainer
+            dp_rank = (getattr(trainer.strategy, "distributed_sampler_kwargs", None) or {}).get("rank", 0)
+            torch.manual_seed(_mix(self.step_seed, trainer.current_epoch, batch_idx, dp_rank))
 
     def configure_optimizers(self) -> Any:
         optimizer = self.optimizer_factory(self.parameters())
@@ -67,3 +80,17 @@ class TrainModule(pl.LightningModule):
             return 1.0
         progress = min(1.0, (step - self.warmup_steps) / self.decay_steps)
         return self.min_lr_ratio + (1 - self.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def _plain(loss: torch.Tensor) -> torch.Tensor:
+    """A tensor-parallel loss is a replicated DTensor: hand Lightning the plain tensor (no communication)."""
+    return loss.full_tensor() if hasattr(loss, "full_tensor") else loss
+
+
+def _mix(*values: int) -> int:
+    """A 63-bit seed from several integers (splitmix-style), so nearby inputs give unrelated streams."""
+    x = 0x9E3779B97F4A7C15
+    for v in values:
+        x = (x ^ (int(v) + 0x9E3779B97F4A7C15 + (x << 6) + (x >> 2))) & 0xFFFFFFFFFFFFFFFF
+        x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    return x & 0x7FFFFFFFFFFFFFFF
