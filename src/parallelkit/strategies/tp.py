@@ -1,0 +1,119 @@
+"""Tensor parallel (Megatron-style, on DTensor) with plain data parallelism on the remaining ranks."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any, Callable
+
+import torch
+
+from parallelkit.distributed.grad_sync import apply_grad_allreduce
+from parallelkit.distributed.parallel_dims import DP, TP, ParallelDims
+from parallelkit.distributed.tensor_parallel import TensorParallel, TensorParallelPlan, apply_tp
+from parallelkit.errors import ConfigError
+from parallelkit.strategies.base import LIGHTNING_BACKWARD
+from parallelkit.strategies.mesh import MeshStrategy
+
+PLAN_FUNCTION = "tensor_parallel_plan"
+
+
+def tensor_parallel_plan_of(model: torch.nn.Module) -> Callable[..., TensorParallelPlan]:
+    """The ``tensor_parallel_plan`` function in the ``parallelize.py`` beside the model's class."""
+    package = type(model).__module__.rpartition(".")[0]
+    try:
+        plans = importlib.import_module(f"{package}.parallelize")
+    except ModuleNotFoundError:
+        plans = None
+    plan = getattr(plans, PLAN_FUNCTION, None)
+    if plan is None:
+        raise ConfigError(
+            f"strategy=tp needs a tensor parallel plan for {type(model).__name__}: define "
+            f"{PLAN_FUNCTION}(model, tp, *, sequence_parallel) in {package}.parallelize. "
+            "Models with one: model=gpt."
+        )
+    return plan
+
+
+class TensorParallelStrategy(MeshStrategy):
+    """Split every transformer layer over ``tp`` ranks; replicate that group ``dp`` times.
+
+    The model's plan (``tensor_parallel_plan`` in its ``parallelize.py``) is applied with
+    :func:`~parallelkit.distributed.tensor_parallel.apply_tp`; gradients are then averaged over the
+    data-parallel axis only (tensor-parallel peers hold different shards and read the same batches).
+    Forward, loss and backward run under the plan's context: ``loss_parallel`` for a vocabulary-parallel
+    output layer, and counting of every collective DTensor issues (``comm.by_kind`` ``tp_block.*``,
+    ``tp.*`` in ``summary.json``).
+
+    Args:
+        tp: tensor-parallel degree; must divide the model's heads, width and vocabulary.
+        dp: data-parallel degree; ``-1`` = the remaining ranks.
+        sequence_parallel: also split LayerNorm/dropout regions along the sequence (all-gather and
+            reduce-scatter instead of all-reduce; the sequence length must divide by ``tp``).
+        **kwargs: :class:`~parallelkit.strategies.mesh.MeshStrategy` options (``timeout_s``, ...).
+
+    Example::
+
+        python train.py strategy=tp strategy.tp=2 trainer.devices=4   # tp=2 × dp=2
+    """
+
+    strategy_name = "tp"
+    capabilities = frozenset({LIGHTNING_BACKWARD})
+
+    def __init__(self, tp: int = 2, dp: int = -1, sequence_parallel: bool = False, **kwargs: Any) -> None:
+        if not isinstance(sequence_parallel, bool):
+            raise ConfigError(f"strategy.sequence_parallel should be true or false. Got {sequence_parallel!r}.")
+        for name in ("sharding", "pp", "ep"):
+            if kwargs.get(name, 1) != 1:
+                raise ConfigError(f"strategy=tp takes only tp and dp degrees; strategy.{name}={kwargs[name]} would be ignored. Use strategy=hybrid4d to combine them.")
+        super().__init__(dp=dp, tp=tp, **kwargs)
+        self.sequence_parallel = sequence_parallel
+        self.tensor_parallel: TensorParallel | None = None
+
+    # ---------------------------------------------------------------- planning (before launch)
+    def _requested_dims(self, world_size: int) -> ParallelDims:
+        tp = self._degrees[TP]
+        if isinstance(tp, int) and not isinstance(tp, bool) and tp > world_size:
+            raise ConfigError(
+                f"strategy.tp={tp} is larger than the {world_size} process(es) started "
+                f"(trainer.devices × trainer.num_nodes). Use strategy.tp ≤ {world_size}, or start more processes."
+            )
+        return super()._requested_dims(world_size)
+
+    def check_model(self, model: torch.nn.Module, world_size: int) -> None:
+        """Raise :class:`ConfigError` if ``model`` cannot be split as planned (called before launch)."""
+        self._plan_for(model, self.plan(world_size).tp)
+
+    def _plan_for(self, model: torch.nn.Module, tp: int) -> TensorParallelPlan:
+        return tensor_parallel_plan_of(model)(model, tp, sequence_parallel=self.sequence_parallel)
+
+    # ---------------------------------------------------------------- composition
+    def parallelize(self, model: torch.nn.Module) -> None:
+        # Order: tensor parallel first (parameters become DTensors), then data parallel over the dp axis,
+        # which averages each rank's local shards. After backward, partial-sum gradients are completed
+        # over tp (TensorParallel.sync) before they are averaged over dp.
+        mesh = self.device_mesh
+        self.tensor_parallel = apply_tp(model, mesh[TP], self._plan_for(model, self.parallel_dims.tp), comm_stats=self.comm_stats)
+        self.grad_syncs.append(self.tensor_parallel)
+        self.grad_syncs.append(apply_grad_allreduce(model.parameters(), mesh[DP].get_group(), comm_stats=self.comm_stats))
+
+    # ---------------------------------------------------------------- steps run inside the plan's context
+    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        # Forward, backward, the gradient sync and clipping (norms reduced over tp) run inside: all counted.
+        with self.tensor_parallel.context():
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        self.tensor_parallel.begin_step()
+        with self.tensor_parallel.context():
+            return super().training_step(*args, **kwargs)
+
+    def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        # loss_parallel's cross-entropy has its own backward rule: it must be active here too. (Under
+        # gradient accumulation Lightning runs the non-final micro-batches outside optimizer_step.)
+        with self.tensor_parallel.context():
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        # Not counted: comm.bytes_sent_per_step is the traffic of a training step.
+        with self.tensor_parallel.context(count=False):
+            return super().validation_step(*args, **kwargs)
