@@ -44,3 +44,48 @@ class ForgetDataPosition(Callback):
         sampler = getattr(trainer.datamodule, "_train_sampler", None)
         if sampler is not None:
             sampler._resume = {}
+
+
+class KillDuringSave(Callback):
+    """Kill global rank ``rank`` in the middle of writing the ``nth`` checkpoint (1-based), after part of its
+    data is on disk: a sharded save (torch.distributed.checkpoint) or a single-file save (fsspec write)."""
+
+    def __init__(self, rank: int, nth: int) -> None:
+        self.rank = rank
+        self.nth = nth
+        self.saves = 0
+
+    def setup(self, trainer, pl_module, stage) -> None:
+        if trainer.global_rank != self.rank:
+            return
+        import torch.distributed.checkpoint as dcp
+        from fsspec.implementations.local import LocalFileOpener
+
+        callback = self
+        real_save, real_write = dcp.save, LocalFileOpener.write
+
+        def dying(what: str, path) -> None:
+            print(f"fault_injection: killing rank {callback.rank} while writing {what} {path}", file=sys.stderr, flush=True)
+            os._exit(13)
+
+        def save(state_dict, *args, checkpoint_id=None, **kwargs):
+            callback.saves += 1
+            if callback.saves == callback.nth:
+                from pathlib import Path
+
+                Path(checkpoint_id).mkdir(parents=True, exist_ok=True)
+                (Path(checkpoint_id) / f"__{callback.rank}_0.distcp").write_bytes(b"half a shard")
+                dying("sharded checkpoint", checkpoint_id)
+            return real_save(state_dict, *args, checkpoint_id=checkpoint_id, **kwargs)
+
+        def write(opener, data):
+            if str(getattr(opener, "path", "")).endswith(".ckpt"):
+                callback.saves += 1
+                if callback.saves == callback.nth:
+                    real_write(opener, data[: len(data) // 2])
+                    opener.flush()
+                    dying("checkpoint file", opener.path)
+            return real_write(opener, data)
+
+        dcp.save = save
+        LocalFileOpener.write = write

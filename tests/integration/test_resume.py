@@ -45,3 +45,17 @@ def test_resume_without_the_data_position_is_caught(tmp_path):
     broken = _interrupted_then_resumed(args, tmp_path / "broken", ["+callbacks.forget._target_=fault_injection.ForgetDataPosition"])
     assert broken["train_loss"][:10] == straight["train_loss"][:10]
     assert broken["train_loss"][10:] != straight["train_loss"][10:]
+
+
+@pytest.mark.parametrize("strategy", [["strategy=ddp"], ["strategy=zero", "strategy.stage=3"]], ids=["file", "sharded"])
+def test_writer_killed_mid_save_leaves_the_previous_checkpoint_loadable(strategy, tmp_path):
+    # Checkpoints every 5 steps, each written twice (epoch=0-step=N.ckpt, then last.ckpt): the 4th save
+    # overwrites last.ckpt at step 10. The writer dies half-way through it; `last` must still be step 5.
+    args = [*RESUME, *strategy, "trainer.devices=2"]
+    straight = run_ok(args, tmp_path / "straight")
+    run_dir = tmp_path / "killed"
+    kill = ["+callbacks.die._target_=fault_injection.KillDuringSave", "+callbacks.die.rank=0", "+callbacks.die.nth=4"]
+    killed = train([*args, *kill, f"hydra.run.dir={run_dir}"], cwd=tmp_path, env=ENV)
+    assert killed.returncode != 0 and "killing rank 0 while writing" in killed.stderr, killed.stderr[-2000:]
+    resumed = run_ok([*args, "ckpt_path=last"], run_dir, env=ENV)
+    assert resumed["train_loss"] == straight["train_loss"]  # resumed from step 5, bit-identical to the end

@@ -13,7 +13,9 @@ chosen on the command line and applied by the strategy.
 
 from __future__ import annotations
 
+import shutil
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -134,6 +136,36 @@ class MeshStrategy(ParallelKitStrategyMixin, ModelParallelStrategy):
 
     def after_grad_sync(self) -> None:
         """Called once the gradients are averaged, before clipping (pipeline: clip by the norm over all stages)."""
+
+    # ---------------------------------------------------------------- atomic sharded checkpoints
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        """Write the checkpoint directory under a temporary name, then swap it in.
+
+        A process killed while writing leaves the previous checkpoint of that name intact: every rank writes
+        its shard into ``NAME.tmp/``, rank 0 writes ``meta.pt`` last (the completion marker loaders look
+        for), and only after a barrier does rank 0 rename ``NAME.tmp`` to ``NAME`` (the old one is moved
+        aside first and removed after).
+        """
+        if not self._save_distributed_checkpoint:
+            return super().save_checkpoint(checkpoint, filepath, storage_options)
+        final = Path(self.broadcast(str(filepath)))
+        tmp = final.with_name(final.name + ".tmp")
+        if self.is_global_zero and tmp.exists():
+            shutil.rmtree(tmp)  # a previous writer died here
+        self.barrier()
+        super().save_checkpoint(checkpoint, tmp, storage_options)  # shards, then meta.pt from rank 0
+        self.barrier()
+        if self.is_global_zero:
+            old = final.with_name(final.name + ".old")
+            if final.exists():
+                shutil.rmtree(old, ignore_errors=True)
+                final.rename(old) if final.is_dir() else final.replace(old)
+            tmp.rename(final)
+            if old.is_dir():
+                shutil.rmtree(old)
+            elif old.exists():
+                old.unlink()
+        self.barrier()
 
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         # Lightning runs forward and backward inside ``closure``; averaging the gradients right after it
