@@ -19,6 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from parallelkit import local_launch
 from parallelkit.distributed.compile import apply_compile
+from parallelkit.distributed.elastic import restart_count
 from parallelkit.distributed.recompute import apply_recompute
 from parallelkit.errors import ConfigError
 
@@ -208,7 +209,10 @@ def _run(cfg: DictConfig) -> dict[str, Any] | None:
         raise ConfigError(f"The trainer settings do not work together: {err}") from None
     # Everything that can fail on bad input has run: ranks started early may now go (no-op otherwise).
     local_launch.release()
-    trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
+    ckpt_path = cfg.get("ckpt_path")
+    if ckpt_path is None and (restart_count() or 0) > 0:
+        ckpt_path = "last"  # torchrun restarted this job after a failure: go on from the newest checkpoint
+    trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
     return summary.summary if trainer.is_global_zero else None
 
 

@@ -9,12 +9,16 @@ from lightning.pytorch.callbacks import Callback
 class KillRank(Callback):
     """Exit the process of global rank ``rank`` abruptly (no cleanup) once ``at_step`` steps are done."""
 
-    def __init__(self, rank: int, at_step: int, exit_code: int = 13) -> None:
+    def __init__(self, rank: int, at_step: int, exit_code: int = 13, only_attempt: int | None = None) -> None:
         self.rank = rank
         self.at_step = at_step
         self.exit_code = exit_code
+        self.only_attempt = only_attempt  # under torchrun: kill only in this attempt (restart count)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        if self.only_attempt is not None and attempt != self.only_attempt:
+            return
         if trainer.global_rank == self.rank and trainer.global_step >= self.at_step:
             print(f"fault_injection: killing rank {self.rank} at step {trainer.global_step}", file=sys.stderr, flush=True)
             os._exit(self.exit_code)

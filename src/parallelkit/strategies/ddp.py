@@ -11,6 +11,7 @@ from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
 
 from parallelkit.distributed.data_parallel import apply_ddp
+from parallelkit.distributed.elastic import init_process_group_for_attempt
 from parallelkit.distributed.parallel_dims import DP, ParallelDims
 from parallelkit.errors import ConfigError
 from parallelkit.launcher import HydraJobLauncher
@@ -137,6 +138,7 @@ class DDPStrategy(ParallelKitStrategyMixin, LightningDDPStrategy):
         self._launcher = HydraJobLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 
     def setup_distributed(self) -> None:
+        init_process_group_for_attempt(self._get_process_group_backend(), self._timeout)  # torchrun restarts
         super().setup_distributed()
         self._parallel_dims = self.plan(self.world_size)
         self.device_mesh = self._parallel_dims.build_mesh(self.root_device.type)

@@ -23,6 +23,7 @@ from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 
+from parallelkit.distributed.elastic import init_process_group_for_attempt
 from parallelkit.distributed.grad_sync import GradAllReduce
 from parallelkit.distributed.parallel_dims import DEFAULT_MESH_ORDER, ParallelDims
 from parallelkit.errors import ConfigError
@@ -92,6 +93,7 @@ class MeshStrategy(ParallelKitStrategyMixin, ModelParallelStrategy):
     def setup_environment(self) -> None:
         # Lightning's version builds a 2-D (data, tensor) mesh; parallelkit's mesh has every axis.
         super(ModelParallelStrategy, self).setup_environment()
+        init_process_group_for_attempt(self._get_process_group_backend(), self._timeout)  # torchrun restarts
         self._setup_distributed()
         self._parallel_dims = self.plan(self.world_size)
         self._device_mesh = self._parallel_dims.build_mesh(self.root_device.type)
