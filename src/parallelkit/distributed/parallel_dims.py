@@ -151,6 +151,25 @@ class ParallelDims:
         coords = coords if coords is not None else self.coordinates(rank)
         return coords[DP] * self.sharding + coords[SHARDING]
 
+    # ------------------------------------------------------------------ expert-parallel groups
+    def expert_parallel_groups(self) -> list[list[int]]:
+        """Global ranks that share their tokens' experts: ``ep`` consecutive data-parallel ranks, per ``tp, pp``.
+
+        Every rank is in exactly one group; within a group the ranks are ordered by their ``ep`` index.
+        """
+        return self._groups_by(lambda c: (c[PP], c[TP], self.data_parallel_rank(0, c) // self.ep), lambda c: c[EP])
+
+    def expert_data_parallel_groups(self) -> list[list[int]]:
+        """Global ranks that hold the same experts (same ``ep`` index): their expert gradients are averaged."""
+        return self._groups_by(lambda c: (c[PP], c[TP], c[EP]), lambda c: self.data_parallel_rank(0, c))
+
+    def _groups_by(self, key, order) -> list[list[int]]:
+        groups: dict[tuple[int, ...], list[tuple[int, int]]] = {}
+        for rank in range(self.world_size):
+            coords = self.coordinates(rank)
+            groups.setdefault(key(coords), []).append((order(coords), rank))
+        return [[rank for _, rank in sorted(members)] for _, members in sorted(groups.items())]
+
     # ------------------------------------------------------------------ mesh
     def build_mesh(self, device_type: str):
         """Build the named :class:`~torch.distributed.device_mesh.DeviceMesh` (all four axes, size-1 ones too).
