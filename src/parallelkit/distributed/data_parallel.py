@@ -7,7 +7,7 @@ from typing import Any, Callable
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from parallelkit.distributed.comm_hooks import HookState, allreduce_hook, counting_hook, is_parallelkit_hook
+from parallelkit.distributed.comm_hooks import HookState, allreduce_hook, counting_hook, is_parallelkit_hook, is_self_counting_hook
 from parallelkit.distributed.comm_stats import CommStats
 from parallelkit.errors import ConfigError
 
@@ -39,7 +39,9 @@ def apply_ddp(
         static_graph: promise the autograd graph is the same every step (enables more overlap).
         find_unused_parameters: tolerate parameters that get no gradient in some steps.
         comm_hook: a DDP comm hook; ``None`` means :func:`allreduce_hook` (an averaging all-reduce).
-        comm_state: state for a third-party ``comm_hook``; parallelkit's hooks build their own.
+        comm_state: state for a third-party ``comm_hook``, or for a hook marked with
+            :func:`~parallelkit.distributed.comm_hooks.counts_own_traffic` (DGC, Local SGD, hierarchical
+            all-reduce), whose state holds its own group and counter; parallelkit's plain hooks build their own.
         comm_stats: where the hook counts what it sends.
 
     Example::
@@ -65,6 +67,10 @@ def apply_ddp(
         # Hydra's `_partial_: true` hands over a functools.partial, which DDP rejects (it reads __name__).
         hook = getattr(hook, "func", hook)
         ddp.register_comm_hook(HookState(process_group=process_group, stats=comm_stats), hook)
+    elif is_self_counting_hook(hook):
+        if comm_state is None:
+            raise ConfigError(f"The comm hook {_named(hook).__name__} needs its state (comm_state); got None.")
+        ddp.register_comm_hook(comm_state, _named(hook))
     else:
         state = comm_state if comm_state is not None else process_group
         ddp.register_comm_hook(state, counting_hook(hook, comm_stats) if comm_stats is not None else _named(hook))

@@ -1,0 +1,296 @@
+"""Deep Gradient Compression's DDP hook on 2 real gloo ranks.
+
+Each rank starts from its own seed (DDP broadcasts rank 0's weights) and trains on its own half of every
+global batch. Every variant runs in one launch; each rank records, per step and per tensor, the residual and
+momentum before and after the hook, the (index, value) pairs it sent, its own local gradient (from a plain
+replica at the same weights, so bit-identical to what DDP handed the hook), and the averaged gradient the
+optimizer saw. The tests then check the algorithm's invariants exactly:
+
+- residual conservation: kept + sent = accumulated, bit for bit; the sent entries are the top-k;
+- the result is the mean over ranks of the sparse tensors they sent;
+- warm-up: the number of entries sent follows the sparsity list, and the comm counter says so;
+- momentum correction, momentum masking and local clipping each change exactly what they should;
+- before ``rampup_begin_step`` DGC with momentum correction equals momentum SGD on one process.
+"""
+
+# No `from __future__ import annotations`: DDP checks a comm hook's annotations at run time.
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.testing import assert_close
+
+from parallelkit.distributed.comm_stats import CommStats
+from parallelkit.distributed.data_parallel import apply_ddp
+from parallelkit.distributed.dgc import DGC_DENSE, DGC_SPARSE, DGCState, build_dgc, topk_count
+from parallelkit.models.mlp import MLP
+
+from .harness import run_ranks
+
+WORLD_SIZE = 2
+IN_FEATURES, OUT_FEATURES, HIDDEN = 16, 8, [32, 32]
+LOCAL_BATCH = 8
+STEPS = 5
+LR, MOMENTUM = 0.05, 0.9
+INIT_SEED, DATA_SEED = 1000, 7
+RTOL, ATOL = 1e-5, 1e-6
+WARMUP = [0.5, 0.75, 0.9, 0.99]
+
+VARIANTS = {
+    # never compresses: must equal momentum SGD
+    "dense_phase": dict(rampup_begin_step=STEPS, momentum=MOMENTUM, momentum_masking=True),
+    "plain": dict(sparsity=[0.9], momentum=0.0, momentum_masking=False),
+    "momentum_masked": dict(sparsity=[0.9], momentum=MOMENTUM, momentum_masking=True),
+    "momentum_unmasked": dict(sparsity=[0.9], momentum=MOMENTUM, momentum_masking=False),
+    "clipped": dict(sparsity=[0.9], momentum=0.0, momentum_masking=False, clip_norm=0.01),
+    # dense at step 0, then one list entry per step; biases (< 33 elements) always dense
+    "warmup": dict(sparsity=WARMUP, rampup_begin_step=1, rampup_steps=4, momentum=0.0, momentum_masking=False, dense_min_numel=33),
+    "no_warmup": dict(sparsity=WARMUP, rampup_begin_step=1, rampup_steps=4, warmup=False, momentum=0.0, momentum_masking=False),
+}
+
+
+def _global_batches():
+    gen = torch.Generator().manual_seed(DATA_SEED)
+    x = torch.randn(STEPS, WORLD_SIZE * LOCAL_BATCH, IN_FEATURES, generator=gen)
+    y = torch.randn(STEPS, WORLD_SIZE * LOCAL_BATCH, OUT_FEATURES, generator=gen)
+    return x, y
+
+
+def _rows(rank):
+    return slice(rank * LOCAL_BATCH, (rank + 1) * LOCAL_BATCH)
+
+
+def _model(seed):
+    torch.manual_seed(seed)
+    return MLP(in_features=IN_FEATURES, out_features=OUT_FEATURES, hidden=HIDDEN)
+
+
+def _clone_map(buffers, model):
+    # the hook keeps flat (1-D) buffers: compare them in the parameter's shape
+    return {name: (buffers[p].clone().view_as(p) if p in buffers else torch.zeros_like(p)) for name, p in model.named_parameters()}
+
+
+def _train(rank, world_size, variants):
+    x, y = _global_batches()
+    rows = _rows(rank)
+    out = {}
+    for name, options in variants.items():
+        model = _model(INIT_SEED + rank)
+        stats = CommStats()
+        hook, state = build_dgc(dist.group.WORLD, stats=stats, keep_sent=True, **options)
+        ddp = apply_ddp(model, process_group=dist.group.WORLD, comm_hook=hook, comm_state=state)
+        optimizer = torch.optim.SGD(ddp.parameters(), lr=LR)  # momentum lives in the hook (correction)
+        replica = _model(0)
+        rec = {k: [] for k in ("v_before", "u_before", "v_after", "u_after", "sent", "local_grad", "grad",
+                               "params_before", "params_after", "sparse_bytes", "dense_bytes", "step_sent", "step_dense")}
+        for step in range(STEPS):
+            params = {n: p.detach().clone() for n, p in model.named_parameters()}
+            rec["params_before"].append(params)
+            replica.load_state_dict(params)
+            MLP.loss(replica(x[step, rows]), y[step, rows]).backward()
+            rec["local_grad"].append({n: p.grad.clone() for n, p in replica.named_parameters()})
+            replica.zero_grad(set_to_none=True)
+            rec["v_before"].append(_clone_map(state.velocity, model))
+            rec["u_before"].append(_clone_map(state.momentum_buffer, model))
+            state.last_sent.clear()
+            sparse, dense = stats.bytes(DGC_SPARSE), stats.bytes(DGC_DENSE)
+            state.begin_step(step)
+            optimizer.zero_grad(set_to_none=True)
+            MLP.loss(ddp(x[step, rows]), y[step, rows]).backward()
+            rec["v_after"].append(_clone_map(state.velocity, model))
+            rec["u_after"].append(_clone_map(state.momentum_buffer, model))
+            rec["sent"].append({n: state.last_sent[p] for n, p in model.named_parameters() if p in state.last_sent})
+            rec["grad"].append({n: p.grad.clone() for n, p in model.named_parameters()})
+            rec["sparse_bytes"].append(stats.bytes(DGC_SPARSE) - sparse)
+            rec["dense_bytes"].append(stats.bytes(DGC_DENSE) - dense)
+            rec["step_sent"].append(state.step_sent_bytes)
+            rec["step_dense"].append(state.step_dense_bytes)
+            optimizer.step()
+            rec["params_after"].append({n: p.detach().clone() for n, p in model.named_parameters()})
+        out[name] = rec
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    per_rank = run_ranks(_train, WORLD_SIZE, tmp_path_factory.mktemp("dgc"), VARIANTS)
+    return {name: [per_rank[r][name] for r in range(WORLD_SIZE)] for name in VARIANTS}
+
+
+def _scatter(like, sent):
+    index, value = sent
+    dense = torch.zeros_like(like).reshape(-1)
+    dense[index] = value
+    return dense.view_as(like)
+
+
+def _clip(grad, limit):
+    norm = torch.linalg.vector_norm(grad)
+    return grad * (limit / (norm + 1e-6)) if norm > limit else grad
+
+
+def _check_recurrences(results, momentum, masking, clip=None):
+    """kept + sent == accumulated (exactly), with the accumulated update the variant defines."""
+    for rank, rec in enumerate(results):
+        for step in range(STEPS):
+            for name, sent in rec["sent"][step].items():
+                g = rec["local_grad"][step][name]
+                if clip is not None:
+                    g = _clip(g.reshape(-1), clip / math.sqrt(WORLD_SIZE)).view_as(g)
+                if momentum:
+                    u = rec["u_before"][step][name].mul(momentum).add(g)
+                    update = u
+                else:
+                    update = g
+                accumulated = rec["v_before"][step][name].add(update)
+                kept = rec["v_after"][step][name]
+                sent_dense = _scatter(kept, sent)
+                assert torch.equal(kept + sent_dense, accumulated), f"rank {rank} step {step} {name}"
+                assert torch.equal(kept.reshape(-1)[sent[0]], torch.zeros(sent[0].numel())), "sent entries must be cleared"
+                # top-k: nothing kept is larger than the smallest entry sent
+                assert kept.abs().max() <= sent[1].abs().min(), f"rank {rank} step {step} {name}: not the top-k"
+                if momentum:
+                    expected_u = u.clone()
+                    if masking:
+                        expected_u.reshape(-1)[sent[0]] = 0
+                    assert torch.equal(rec["u_after"][step][name], expected_u), f"rank {rank} step {step} {name} momentum"
+
+
+def test_each_rank_trains_on_different_data(runs):
+    a, b = (r["local_grad"][0] for r in runs["plain"])
+    assert all((a[n] - b[n]).abs().max() > 1e-4 for n in a)
+
+
+@pytest.mark.parametrize("variant,momentum,masking,clip", [
+    ("plain", 0.0, False, None),
+    ("momentum_masked", MOMENTUM, True, None),
+    ("momentum_unmasked", MOMENTUM, False, None),
+    ("clipped", 0.0, False, 0.01),
+])
+def test_residual_conservation_and_corrections(runs, variant, momentum, masking, clip):
+    results = runs[variant]
+    assert all(rec["sent"][step] for rec in results for step in range(STEPS))  # something was compressed
+    _check_recurrences(results, momentum, masking, clip)
+
+
+def test_negative_controls_each_correction_is_visible(runs):
+    """Each variant's recurrence fails on another variant's data: every switch changes what it should."""
+    with pytest.raises(AssertionError):  # momentum correction changes what accumulates
+        _check_recurrences(runs["momentum_masked"], 0.0, False)
+    with pytest.raises(AssertionError):  # masking zeroes the momentum of sent entries
+        _check_recurrences(runs["momentum_masked"], MOMENTUM, False)
+    with pytest.raises(AssertionError):  # ... and without it the momentum is kept
+        _check_recurrences(runs["momentum_unmasked"], MOMENTUM, True)
+    with pytest.raises(AssertionError):  # clipping changes the accumulated gradient
+        _check_recurrences(runs["clipped"], 0.0, False)
+
+
+def test_clipping_bounds_each_local_contribution(runs):
+    limit = 0.01 / math.sqrt(WORLD_SIZE)
+    for rec in runs["clipped"]:
+        for step in range(STEPS):
+            for name in rec["sent"][step]:
+                increment = rec["v_after"][step][name] + _scatter(rec["v_after"][step][name], rec["sent"][step][name]) - rec["v_before"][step][name]
+                assert torch.linalg.vector_norm(increment) <= limit * (1 + 1e-5)
+
+
+def test_result_is_the_mean_of_what_the_ranks_sent(runs):
+    for variant in ("plain", "momentum_masked", "warmup"):
+        results = runs[variant]
+        for step in range(STEPS):
+            for name, grad in results[0]["grad"][step].items():
+                if name in results[0]["sent"][step]:
+                    expected = sum(_scatter(grad, r["sent"][step][name]) for r in results) / WORLD_SIZE
+                else:  # dense: the mean of the local gradients
+                    expected = sum(r["local_grad"][step][name] for r in results) / WORLD_SIZE
+                assert_close(grad, expected, rtol=RTOL, atol=ATOL, msg=lambda m: f"{variant} step {step} {name}: {m}")
+                assert torch.equal(results[1]["grad"][step][name], grad)  # replicas apply the same update
+
+
+def test_warmup_schedule_and_counted_bytes(runs):
+    state = DGCState(None, sparsity=WARMUP, rampup_begin_step=1, rampup_steps=4, momentum=0.0, momentum_masking=False)
+    assert [state.sparsity_at(s) for s in range(7)] == [0.0, 0.5, 0.75, 0.9, 0.99, 0.99, 0.99]
+    no_warm = DGCState(None, sparsity=WARMUP, rampup_begin_step=1, rampup_steps=4, warmup=False, momentum=0.0, momentum_masking=False)
+    assert [no_warm.sparsity_at(s) for s in range(3)] == [0.0, 0.99, 0.99]
+    for variant, schedule in (("warmup", state), ("no_warmup", no_warm)):
+        rec = runs[variant][0]
+        init = rec["params_before"][0]
+        total_bytes = sum(p.numel() * 4 for p in init.values())
+        dense_min = VARIANTS[variant].get("dense_min_numel", 0)
+        for step in range(STEPS):
+            sparsity = schedule.sparsity_at(step)
+            compressed = {n: p for n, p in init.items() if sparsity > 0 and p.numel() >= dense_min}
+            assert set(rec["sent"][step]) == set(compressed), (variant, step)
+            for name, p in compressed.items():
+                assert rec["sent"][step][name][0].numel() == topk_count(p.numel(), sparsity)
+            # 2 ranks: an all-gather sends this rank's pairs once (int32 index + fp32 value = 8 bytes),
+            # a ring all-reduce sends the whole payload once.
+            expected_sparse = sum(8 * topk_count(p.numel(), sparsity) for p in compressed.values())
+            expected_dense = 4 * sum(p.numel() for n, p in init.items() if n not in compressed)
+            assert rec["sparse_bytes"][step] == expected_sparse, (variant, step)
+            assert rec["dense_bytes"][step] == expected_dense, (variant, step)
+            assert rec["step_sent"][step] == expected_sparse + expected_dense
+            assert rec["step_dense"][step] == total_bytes
+    # at 99 % the traffic is cut by well over an order of magnitude
+    last = runs["no_warmup"][0]
+    assert last["step_dense"][-1] / last["step_sent"][-1] > 20
+
+
+def test_dense_phase_with_momentum_correction_equals_momentum_sgd(runs):
+    x, y = _global_batches()
+    results = runs["dense_phase"]
+    model = _model(0)
+    model.load_state_dict(results[0]["params_before"][0])
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    for step in range(STEPS):
+        optimizer.zero_grad()
+        MLP.loss(model(x[step]), y[step]).backward()
+        optimizer.step()
+        for rank, rec in enumerate(results):
+            assert not rec["sent"][step] and rec["sparse_bytes"][step] == 0
+            for name, p in model.named_parameters():
+                assert_close(rec["params_after"][step][name], p.detach(), rtol=RTOL, atol=ATOL,
+                             msg=lambda m: f"rank {rank} step {step} {name}: {m}")
+    # Negative control: the compressed run with the same momentum has left momentum SGD.
+    far = max((runs["momentum_masked"][0]["params_after"][-1][n] - p.detach()).abs().max().item() for n, p in model.named_parameters())
+    assert far > 1e-4
+
+
+# ------------------------------------------------------------------ the callback's checks (no processes)
+def test_callback_refuses_strategies_without_a_ddp_comm_hook():
+    from parallelkit.callbacks.dgc import DeepGradientCompression
+    from parallelkit.errors import ConfigError
+    from parallelkit.strategies import DDPStrategy, SingleStrategy
+    from parallelkit.strategies.base import LIGHTNING_BACKWARD, REPLICATED_PARAMS
+
+    class NoHookStrategy:  # a strategy decided by its capabilities, whatever its class
+        strategy_name = "pp"
+
+        def supports(self, capability):
+            return capability in {LIGHTNING_BACKWARD, REPLICATED_PARAMS}
+
+    for strategy, message in ((SingleStrategy(), "strategy=single"), (NoHookStrategy(), "strategy=pp")):
+        with pytest.raises(ConfigError, match=f"callbacks=\\[dgc\\] does not work with {message}.*'ddp_comm_hook'"):
+            DeepGradientCompression().check_strategy(strategy)
+    with pytest.raises(ConfigError, match="already sets one"):
+        DeepGradientCompression().check_strategy(DDPStrategy(ddp_comm_hook=lambda state, bucket: None))
+    strategy = DDPStrategy()
+    DeepGradientCompression().check_strategy(strategy)  # DDP without a hook: accepted, and reserved
+    DeepGradientCompression().check_strategy(strategy)  # the same owner may ask again (setup after the pre-check)
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(sparsity=[0.9, 0.5]), "should not decrease"),
+    (dict(sparsity=[1.0]), r"fractions in \[0, 1\)"),
+    (dict(rampup_steps=-1), "rampup_steps should be an int >= 0"),
+    (dict(local_clip_norm=0), "local_clip_norm should be a number > 0"),
+    (dict(momentum_correction=False, momentum_masking=True), "momentum_masking=true needs momentum correction"),
+])
+def test_callback_validates_its_arguments(kwargs, message):
+    from parallelkit.callbacks.dgc import DeepGradientCompression
+    from parallelkit.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        DeepGradientCompression(**kwargs)
