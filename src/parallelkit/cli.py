@@ -10,10 +10,11 @@ from typing import Callable
 
 from omegaconf import DictConfig, OmegaConf
 
-from parallelkit.errors import ConfigError
+from parallelkit.errors import ConfigError, TrainingDiverged
 
 EXIT_CONFIG_ERROR = 2
 EXIT_PEER_FAILURE = 3
+EXIT_DIVERGED = 4  # the loss became NaN/inf
 EXIT_SIGTERM = 128 + 15  # the shell's convention for a process ended by SIGTERM
 MAX_RUN_NAME = 120
 
@@ -73,6 +74,9 @@ def run_or_explain(cfg: DictConfig) -> None:
     except ConfigError as err:
         print(f"parallelkit: error: {err}", file=sys.stderr, flush=True)
         raise SystemExit(EXIT_CONFIG_ERROR) from None
+    except TrainingDiverged as err:
+        print(f"parallelkit: error: {err}", file=sys.stderr, flush=True)
+        raise SystemExit(EXIT_DIVERGED) from None
     except RuntimeError as err:
         if not is_peer_failure(err):
             raise

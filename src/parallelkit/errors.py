@@ -7,3 +7,7 @@ class ConfigError(ValueError):
     The message says which value is wrong, why, and what would work. ``train.py`` prints it as one
     paragraph and exits with code 2 instead of showing a traceback.
     """
+
+
+class TrainingDiverged(RuntimeError):
+    """The loss became NaN or infinite (and no loss scaler is skipping such steps on purpose)."""

@@ -18,6 +18,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from parallelkit import local_launch
+from parallelkit.distributed.checkpoint_io import check_compatible
 from parallelkit.distributed.compile import apply_compile
 from parallelkit.distributed.elastic import restart_count
 from parallelkit.distributed.recompute import apply_recompute
@@ -174,6 +175,14 @@ def _run(cfg: DictConfig) -> dict[str, Any] | None:
     if hasattr(strategy, "check_workload"):
         strategy.check_workload(model, datamodule)
 
+    ckpt_path = cfg.get("ckpt_path")
+    if ckpt_path is None and (restart_count() or 0) > 0:
+        ckpt_path = "last"  # torchrun restarted this job after a failure: go on from the newest checkpoint
+    last = out / "checkpoints" / "last.ckpt"
+    if ckpt_path not in (None, "last") or (ckpt_path == "last" and last.exists()):
+        # A missing, incomplete, corrupt or mismatched checkpoint is bad input: say so before any rank starts.
+        check_compatible(last if ckpt_path == "last" else ckpt_path, {k: v.shape for k, v in module.state_dict().items()})
+
     summary = RunSummary(out, plan.global_batch_size, sum(p.numel() for p in model.parameters()))
     every = cfg.checkpoint.every_n_steps
     # Epoch-based runs (trainer.max_steps=-1) checkpoint at the end of each epoch instead.
@@ -209,9 +218,6 @@ def _run(cfg: DictConfig) -> dict[str, Any] | None:
         raise ConfigError(f"The trainer settings do not work together: {err}") from None
     # Everything that can fail on bad input has run: ranks started early may now go (no-op otherwise).
     local_launch.release()
-    ckpt_path = cfg.get("ckpt_path")
-    if ckpt_path is None and (restart_count() or 0) > 0:
-        ckpt_path = "last"  # torchrun restarted this job after a failure: go on from the newest checkpoint
     trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
     return summary.summary if trainer.is_global_zero else None
 

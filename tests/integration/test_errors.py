@@ -36,6 +36,10 @@ BAD_INPUT = [
     (["callbacks=[amp]", "callbacks.amp.dtype=fp8"], 2, ["callbacks.amp.dtype must be one of", "'fp8'"]),
     (["callbacks=[amp]", "callbacks.amp.incr_ratio=4.0"], 2, ["callbacks.amp.incr_ratio only applies to dtype=fp16"]),
     (["recompute=most"], 2, ["recompute must be one of none, full, selective", "'most'"]),
+    (["ckpt_path=/nonexistent/last.ckpt"], 2, ["ckpt_path=/nonexistent/last.ckpt does not exist"]),
+    (["ckpt_path=CORRUPT"], 2, ["is corrupt or truncated"]),
+    (["ckpt_path=INCOMPLETE"], 2, ["incomplete sharded checkpoint", "meta.pt"]),
+    (["optim.optimizer.lr=1e6", "optim.schedule.warmup_steps=0"], 4, ["training loss is nan", "diverged", "optim.optimizer.lr"]),
 ]
 
 
@@ -43,8 +47,13 @@ BAD_INPUT = [
 def test_bad_input_is_one_clear_error(overrides, code, words, tmp_path):
     empty = tmp_path / "empty.txt"
     empty.write_text("")
+    corrupt = tmp_path / "corrupt.ckpt"
+    corrupt.write_bytes(b"PK\x03\x04 not a whole checkpoint")
+    incomplete = tmp_path / "incomplete.ckpt"
+    incomplete.mkdir()
+    (incomplete / "__0_0.distcp").write_bytes(b"half a shard")
     base = [] if "NO_TINY" in overrides else TINY  # TINY sets chars-only keys (data.seq_len)
-    overrides = [o.replace("EMPTY", str(empty)) for o in overrides if o != "NO_TINY"]
+    overrides = [o.replace("EMPTY", str(empty)).replace("CORRUPT", str(corrupt)).replace("INCOMPLETE", str(incomplete)) for o in overrides if o != "NO_TINY"]
     run_dir = tmp_path / "run"
     proc = train([*base, *overrides, f"hydra.run.dir={run_dir}"], cwd=tmp_path, timeout=120)
     assert proc.returncode == code, (proc.returncode, proc.stderr[-3000:])

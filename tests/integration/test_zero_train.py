@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.integration.test_train import REL_TOL, TINY, max_rel_diff, run_ok
+from tests.integration.test_train import REL_TOL, TINY, max_rel_diff, run_ok, train
 
 ZTINY = [
     *TINY,
@@ -116,3 +116,9 @@ def test_sharded_checkpoint_resumes_at_other_world_sizes(stage2_run, tmp_path):
     one = run_ok([*ZTINY, "strategy=single", f"ckpt_path='{stage2_dir / 'checkpoints' / 'epoch=0-step=10.ckpt'}'"], tmp_path / "one")
     assert max_rel_diff(one["train_loss"][10:], stage2["train_loss"][10:]) <= REL_TOL
 
+
+    # A checkpoint of another model shape is refused before any process starts, naming what differs.
+    wide = train([*ZTINY, "strategy=single", "model.n_embd=64", f"ckpt_path='{step10}'", f"hydra.run.dir={tmp_path / 'wide'}"], cwd=tmp_path)
+    assert wide.returncode == 2, wide.stderr[-2000:]
+    assert "saved from a different model" in wide.stderr and "weight is (32, 32) in the checkpoint but (64, 64) in this model" in wide.stderr, wide.stderr[-2000:]
+    assert not (tmp_path / "wide" / "checkpoints").exists()

@@ -116,6 +116,8 @@ class AMP(Callback):
         self.black = list(custom_black_list or [])
         self.scaler: DynamicLossScaler | None = None
         self.pinned: dict[str, list[str]] = {}
+        # fp16 skips steps whose loss or gradients overflow, on purpose: not a divergence (see RunSummary).
+        self.skips_nonfinite_steps = dtype == "fp16"
 
     def check_strategy(self, strategy: Any, dims: Any = None) -> None:
         """Refuse, before any process starts, a strategy that runs backward itself (pipeline, DeepSpeed)."""

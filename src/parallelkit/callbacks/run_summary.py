@@ -23,6 +23,7 @@ from lightning.pytorch.utilities import rank_zero_only
 
 from parallelkit.distributed.comm_stats import CommStats
 from parallelkit.distributed.parallel_dims import ParallelDims
+from parallelkit.errors import TrainingDiverged
 
 
 def peak_rss_bytes() -> int:
@@ -75,6 +76,12 @@ class RunSummary(Callback):
             return
         # Lightning divides each micro-batch loss by accumulate_grad_batches: their sum is the step's mean.
         loss = loss.detach().float()
+        if not bool(torch.isfinite(loss)) and not any(getattr(c, "skips_nonfinite_steps", False) for c in trainer.callbacks):
+            raise TrainingDiverged(
+                f"the training loss is {loss.item()} at step {trainer.global_step + 1} on rank {trainer.global_rank}: training "
+                "diverged. Lower optim.optimizer.lr, add warm-up (optim.schedule.warmup_steps), clip gradients "
+                "(trainer.gradient_clip_val), or use callbacks=[amp] with dtype=fp16 to skip overflowing steps."
+            )
         self._accum = loss if self._accum is None else self._accum + loss
         if trainer.global_step != self._seen_step:  # an optimizer step has just happened
             self._seen_step = trainer.global_step

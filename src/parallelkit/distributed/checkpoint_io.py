@@ -70,3 +70,42 @@ def load_into_single_process(path: str | Path, module: torch.nn.Module) -> dict[
         del checkpoint[key]
     checkpoint["optimizer_states"] = [fqn_to_index(s, names) for s in states]
     return checkpoint
+
+
+def check_compatible(path: str | Path, expected: dict[str, torch.Size]) -> None:
+    """Before any process starts: the checkpoint exists, is complete and readable, and its parameters have
+    the shapes of the model about to be trained (``expected``: name → shape, full/unsharded)."""
+    from parallelkit.errors import ConfigError
+
+    path = Path(path)
+    if not path.exists():
+        raise ConfigError(f"ckpt_path={path} does not exist. Give a checkpoint file or directory (e.g. outputs/RUN/checkpoints/last.ckpt), or ckpt_path=last.")
+    if path.is_dir():
+        if not (path / META_FILE).is_file():
+            raise ConfigError(f"ckpt_path={path} is an incomplete sharded checkpoint (no {META_FILE}, which is written last): its writer died. Use an earlier checkpoint.")
+        try:
+            from torch.distributed.checkpoint import FileSystemReader
+
+            metadata = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        except Exception as err:  # noqa: BLE001 - any unreadable metadata is the same user problem
+            raise ConfigError(f"ckpt_path={path} is not a readable sharded checkpoint ({type(err).__name__}: {err}).") from None
+        prefix = "state_dict."
+        found = {k[len(prefix):]: getattr(v, "size", None) for k, v in metadata.items() if k.startswith(prefix)}
+    else:
+        try:
+            checkpoint = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+        except Exception as err:  # noqa: BLE001
+            raise ConfigError(f"ckpt_path={path} is corrupt or truncated: torch.load failed ({type(err).__name__}: {err}).") from None
+        found = {k: v.shape for k, v in checkpoint.get("state_dict", {}).items() if isinstance(v, torch.Tensor)}
+    missing = sorted(set(expected) - set(found))
+    unexpected = sorted(set(found) - set(expected))
+    wrong = [(k, tuple(found[k]), tuple(expected[k])) for k in sorted(set(found) & set(expected)) if found[k] is not None and tuple(found[k]) != tuple(expected[k])]
+    if missing or unexpected or wrong:
+        parts = []
+        if wrong:
+            parts.append("shape mismatch: " + ", ".join(f"{k} is {a} in the checkpoint but {b} in this model" for k, a, b in wrong[:4]))
+        if missing:
+            parts.append(f"missing from the checkpoint: {missing[:4]}{' ...' if len(missing) > 4 else ''}")
+        if unexpected:
+            parts.append(f"not in this model: {unexpected[:4]}{' ...' if len(unexpected) > 4 else ''}")
+        raise ConfigError(f"ckpt_path={path} was saved from a different model ({'; '.join(parts)}). Use the model settings it was trained with.")
