@@ -1,0 +1,310 @@
+"""Pipeline parallel training inside Lightning's Trainer: the strategy owns the training step.
+
+Each rank keeps only its stages of the model (cut by the model's ``parallelize.py``), runs the whole
+micro-batch schedule (forward *and* backward) in ``training_step``, and data parallelism averages the
+stage gradients over the ``dp`` mesh axis. Lightning's loop, callbacks, logging and checkpoints work as
+usual; what it took (DESIGN.md §7):
+
+- Lightning calls ``training_step``, then ``zero_grad``, then ``backward``. The schedule's gradients are
+  therefore set aside in ``training_step`` and added back in :meth:`PipelineStrategy.backward` (scaled by
+  ``1 / accumulate_grad_batches``, as Lightning scales a returned loss), or training would do nothing.
+- Clipping by norm must see the norm of the *whole* model: the stage norms are combined over the
+  pipeline group before Lightning's own (then no-op) per-rank clipping.
+- Only the last stage has the loss; it is broadcast over the pipeline group so every rank returns its
+  data shard's true loss, and RunSummary's mean over all ranks is the global mean.
+- Validation runs the schedule's forward-only path.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.utilities import rank_zero_info
+
+from parallelkit.distributed.grad_sync import apply_grad_allreduce
+from parallelkit.distributed.parallel_dims import DEFAULT_MESH_ORDER, DP, PP
+from parallelkit.distributed.pipeline_parallel import (
+    PipelineParallel,
+    apply_pp,
+    check_microbatch_split,
+    check_pipeline_config,
+    default_virtual_stages,
+    pipeline_spans,
+    stage_blocks,
+    stage_ids_for_rank,
+    theoretical_bubble,
+)
+from parallelkit.errors import ConfigError
+from parallelkit.strategies.mesh import DEFAULT_TIMEOUT_S, MeshStrategy
+
+PP_LOSS = "pp_loss"
+PP_GRAD_NORM = "pp_grad_norm"
+TRACE_DIR = "pipeline_trace"
+
+
+def pipeline_plan(model: torch.nn.Module) -> Any:
+    """The ``parallelize`` module beside the model's code, which must offer the pipeline split points."""
+    package = type(model).__module__.rsplit(".", 1)[0]
+    try:
+        plan = importlib.import_module(f"{package}.parallelize")
+    except ImportError:
+        plan = None
+    if plan is None or not all(hasattr(plan, f) for f in ("pipeline_blocks", "pipeline_stages")):
+        raise ConfigError(
+            f"strategy=pp needs pipeline split points for {type(model).__name__}: {package}.parallelize must define "
+            "pipeline_blocks(model) and pipeline_stages(model, blocks_per_stage, stage_ids). model=gpt has them."
+        )
+    return plan
+
+
+class PipelineStrategy(MeshStrategy):
+    """Pipeline parallel over the ``pp`` mesh axis, data parallel over ``dp``.
+
+    Args:
+        pp: pipeline ranks (stages per pipeline = ``pp × virtual_stages``).
+        dp: data-parallel replicas of the pipeline (``-1``: the remaining ranks).
+        microbatches: micro-batches each rank's batch is cut into per step.
+        schedule: ``gpipe``, ``1f1b``, ``interleaved_1f1b`` or ``zero_bubble``.
+        virtual_stages: stages per rank for the interleaved schedules (default 2 there, else 1).
+        split: the first block of stages 1..S-1 (default: balanced blocks).
+        trace: record every compute and send/recv wait; written to ``DIR/pipeline_trace/`` at the end.
+        save_distributed_checkpoint / timeout_s / process_group_backend: see :class:`MeshStrategy`.
+
+    Example::
+
+        Trainer(strategy=PipelineStrategy(pp=2, microbatches=4, schedule="1f1b"), devices=4)  # dp = 2
+    """
+
+    strategy_name = "pp"
+    capabilities = frozenset()  # the schedule runs backward; parameters are split over stages
+
+    def __init__(
+        self,
+        pp: int = 2,
+        dp: int = -1,
+        microbatches: int = 4,
+        schedule: str = "1f1b",
+        virtual_stages: int | None = None,
+        split: list[int] | None = None,
+        trace: bool = False,
+        mesh_order: tuple[str, ...] | list[str] = DEFAULT_MESH_ORDER,
+        save_distributed_checkpoint: bool = True,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        process_group_backend: str | None = None,
+    ) -> None:
+        if not isinstance(pp, int) or isinstance(pp, bool) or pp < 1:
+            raise ConfigError(f"strategy.pp should be an int greater than 0 (pipeline ranks). Got {pp!r}.")
+        virtual_stages = default_virtual_stages(schedule) if virtual_stages is None else virtual_stages
+        check_pipeline_config(pp, microbatches, schedule, virtual_stages)
+        super().__init__(dp=dp, pp=pp, mesh_order=mesh_order, save_distributed_checkpoint=save_distributed_checkpoint,
+                         timeout_s=timeout_s, process_group_backend=process_group_backend)
+        self.pp, self.microbatches, self.schedule = pp, microbatches, schedule
+        self.virtual_stages = virtual_stages
+        self.split = None if split is None else list(split)
+        self.trace = bool(trace)
+        self.pipeline: PipelineParallel | None = None
+        self._params: list[torch.nn.Parameter] = []
+        self._step_grads: list[torch.Tensor | None] | None = None
+
+    # ---------------------------------------------------------------- before launch
+    def check_workload(self, model: torch.nn.Module, datamodule: Any = None) -> None:
+        """Check the split and the micro-batches against the model and the batch plan (no process group)."""
+        stage_blocks(pipeline_plan(model).pipeline_blocks(model), self.pp * self.virtual_stages, self.split)
+        plan = getattr(datamodule, "plan", None)
+        if plan is not None:
+            what = (f"the per-rank batch (data.global_batch_size={plan.global_batch_size} / dp({plan.data_parallel_size}) "
+                    f"/ accumulate({plan.accumulate}))")
+            check_microbatch_split(plan.micro_batch_size, self.microbatches, what)
+            val = getattr(datamodule, "val_batch_size", None)
+            if val:
+                check_microbatch_split(val, self.microbatches, f"data.val_batch_size={val}")
+
+    # ---------------------------------------------------------------- setup
+    def parallelize(self, model: torch.nn.Module) -> None:
+        if type(self.precision_plugin) is not Precision:
+            raise ConfigError(
+                f"strategy=pp runs backward inside the pipeline schedule and supports trainer.precision=32-true only; "
+                f"got the {type(self.precision_plugin).__name__} plugin."
+            )
+        self.check_workload(model)
+        plan = pipeline_plan(model)
+        num_stages = self.pp * self.virtual_stages
+        blocks = stage_blocks(plan.pipeline_blocks(model), num_stages, self.split)
+        pp_rank = self.parallel_dims.coordinates(self.global_rank)[PP]
+        stage_ids = stage_ids_for_rank(pp_rank, self.pp, self.virtual_stages, self.schedule)
+        stage_modules = plan.pipeline_stages(model, blocks, stage_ids)  # drops the other stages' modules
+        self.pipeline = apply_pp(
+            stage_modules, stage_ids, num_stages, self.device_mesh.get_group(PP),
+            microbatches=self.microbatches, schedule=self.schedule, loss_fn=model.loss,
+            device=self.root_device, comm_stats=self.comm_stats, trace=self.trace,
+        )
+        self._params = [p for p in model.parameters() if p.requires_grad]
+        # Data parallel on the remaining ranks: each stage's gradients averaged over its dp peers.
+        self.grad_syncs.append(apply_grad_allreduce(self._params, self.device_mesh.get_group(DP), comm_stats=self.comm_stats))
+        self._blocks = [[b.start, b.stop] for b in blocks]
+
+    # ---------------------------------------------------------------- the step
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        inputs, targets = batch
+        check_microbatch_split(len(inputs), self.microbatches)
+        # Run the schedule on fresh gradients: it divides the .grad it finds by the micro-batch count,
+        # which would also shrink gradients accumulated over earlier batches.
+        kept = [p.grad for p in self._params]
+        for p in self._params:
+            p.grad = None
+        loss = self.pipeline.train_step(inputs, targets)
+        # Lightning zeroes gradients after training_step: keep these until backward().
+        self._step_grads = [p.grad for p in self._params]
+        for p, grad in zip(self._params, kept):
+            p.grad = grad
+        return self._loss_from_last_stage(loss)
+
+    def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if self._step_grads is None:
+            raise RuntimeError("PipelineStrategy.backward() without a training_step: Lightning's call order changed")
+        module = self.lightning_module
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, module)  # on_before_backward hooks
+        scale = 1.0 / module.trainer.accumulate_grad_batches
+        for param, grad in zip(self._params, self._step_grads):
+            if grad is None:
+                continue
+            if scale != 1.0:
+                grad.mul_(scale)
+            param.grad = grad if param.grad is None else param.grad.add_(grad)
+        self._step_grads = None
+        return self.precision_plugin.post_backward(closure_loss, module)  # on_after_backward hooks
+
+    @torch.no_grad()
+    def after_grad_sync(self) -> None:
+        """Clip by the norm of the whole model: the stages' squared norms summed over the pipeline group."""
+        trainer = self.lightning_module.trainer
+        max_norm, algorithm = trainer.gradient_clip_val, trainer.gradient_clip_algorithm
+        if not max_norm or (algorithm is not None and algorithm != "norm"):
+            return  # clipping by value is per element: Lightning's own clipping is already right
+        grads = [p.grad for p in self._params if p.grad is not None]
+        sq = torch.stack([g.float().pow(2).sum() for g in grads]).sum() if grads else torch.zeros((), device=self.root_device)
+        if self.pp > 1:
+            self.comm_stats.record(PP_GRAD_NORM, sq, "all_reduce", self.pp)
+            dist.all_reduce(sq, group=self.device_mesh.get_group(PP))
+        coef = torch.clamp(float(max_norm) / (sq.sqrt() + 1e-6), max=1.0)
+        for g in grads:
+            g.mul_(coef.to(g.dtype))
+        # Lightning's per-rank clipping then finds every stage under max_norm and leaves it unchanged.
+
+    def _loss_from_last_stage(self, loss: torch.Tensor | None) -> torch.Tensor:
+        """Every rank gets its data shard's mean loss (computed on the last stage only)."""
+        value = loss.detach().float().reshape(()) if loss is not None else torch.zeros((), device=self.root_device)
+        if self.pp > 1:
+            source = (self.pipeline.num_stages - 1) % self.pp  # the pipeline rank holding the last stage
+            self.comm_stats.record(PP_LOSS, value if self.pipeline.holds_last_stage else 0, "broadcast", self.pp)
+            dist.broadcast(value, group_src=source, group=self.device_mesh.get_group(PP))
+        return value
+
+    def validation_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        inputs, targets = batch
+        check_microbatch_split(len(inputs), self.microbatches, "the validation batch")
+        loss = self._loss_from_last_stage(self.pipeline.eval_step(inputs, targets))
+        self.lightning_module.log("val_loss", loss, prog_bar=True, sync_dist=True, on_epoch=True)
+        return loss
+
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        raise ConfigError("strategy=pp runs fit and validate; test/predict are not wired to the pipeline schedule.")
+
+    predict_step = test_step
+
+    # ---------------------------------------------------------------- checkpoints
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """Each rank loads its stages' parameters and optimizer state from the distributed checkpoint.
+
+        Lightning's loader only accepts models with DTensor parameters; a stage's are plain tensors.
+        Keys are the full model's names (``model.layers.3...``), so a rank reads exactly its blocks.
+        """
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            get_optimizer_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        path = Path(self.broadcast(checkpoint_path))
+        if not (path / "meta.pt").is_file():
+            raise ConfigError(f"strategy=pp resumes from a distributed checkpoint directory (with meta.pt); {path} is not one.")
+        module = self.model
+        state = {"state_dict": get_model_state_dict(module)}
+        dcp.load(state, checkpoint_id=path)
+        module.load_state_dict(state["state_dict"], strict=self.lightning_module.strict_loading)
+        for idx, optimizer in enumerate(self.optimizers):
+            key = f"optimizer_{idx}"
+            optim_state = {key: self._stage_keyed(get_optimizer_state_dict(module, optimizer))}
+            dcp.load(optim_state, checkpoint_id=path)
+            loaded = self._stage_keyed(optim_state[key], back=True)
+            set_optimizer_state_dict(module, optimizer, optim_state_dict=loaded, options=StateDictOptions(cpu_offload=True))
+        return torch.load(path / "meta.pt", weights_only=weights_only)
+
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        return self._stage_keyed(super().optimizer_state(optimizer))
+
+    def _stage_keyed(self, state: dict[str, Any], back: bool = False) -> dict[str, Any]:
+        """Name the param groups after this rank's stages: each pipeline rank has its own (they list its
+        parameters), and a checkpoint keeps one object per key, so shared keys would keep rank 0's only."""
+        key = "param_groups_stages_" + "_".join(map(str, self.pipeline.stage_ids))
+        old, new = (key, "param_groups") if back else ("param_groups", key)
+        return {(new if k == old else k): v for k, v in state.items()}
+
+    # ---------------------------------------------------------------- measurements
+    def summary_metrics(self, trainer: Any) -> dict[str, Any]:
+        if self.pipeline is None:
+            return {}
+        stats, world = self.pipeline.stats, self.world_size
+        num_stages = self.pipeline.num_stages
+        # The bubble is measured against the pipeline's step time: the longest first-to-last-compute
+        # time of its ranks, per step (the first stage's: it starts first and finishes last).
+        active = torch.tensor(stats.step_active, dtype=torch.float64)
+        pp_active = [torch.zeros_like(active) for _ in range(self.pp)]
+        self.comm_stats.record("metrics", active, "all_gather", self.pp)
+        dist.all_gather(pp_active, active, group=self.device_mesh.get_group(PP))
+        bubble = stats.bubble_fraction(pipeline_spans([a.tolist() for a in pp_active]))
+        local = torch.tensor([-1.0 if bubble is None else bubble, float(self.pipeline.meter.peak)], dtype=torch.float64)
+        inflight = torch.full((num_stages,), -1.0, dtype=torch.float64)
+        for stage, peak in stats.peak_inflight.items():
+            inflight[stage] = peak
+        gathered = [torch.zeros_like(local) for _ in range(world)]
+        self.comm_stats.record("metrics", local, "all_gather", world)
+        dist.all_gather(gathered, local)
+        self.comm_stats.record("metrics", inflight, "all_reduce", world)
+        dist.all_reduce(inflight, op=dist.ReduceOp.MAX)
+        by_rank = [round(float(g[0]), 4) for g in gathered]
+        if self.trace:
+            self._write_trace(Path(trainer.default_root_dir))
+        return {"pipeline": {
+            "schedule": self.schedule,
+            "pp": self.pp,
+            "microbatches": self.microbatches,
+            "virtual_stages": self.virtual_stages,
+            "stage_blocks": self._blocks,
+            "bubble_fraction": sum(by_rank) / len(by_rank),
+            "bubble_fraction_by_rank": by_rank,
+            "bubble_fraction_theory": theoretical_bubble(self.pp, self.microbatches, self.virtual_stages),
+            "peak_inflight_microbatches_by_stage": [int(v) for v in inflight.tolist()],
+            "peak_activation_bytes": int(max(float(g[1]) for g in gathered)),
+            "trace_dir": str(Path(trainer.default_root_dir) / TRACE_DIR) if self.trace else None,
+        }}
+
+    def _write_trace(self, out: Path) -> None:
+        trace_dir = out / TRACE_DIR
+        trace_dir.mkdir(parents=True, exist_ok=True)
+        coords = self.parallel_dims.coordinates(self.global_rank)
+        record = {
+            "rank": self.global_rank, "pp_rank": coords[PP], "dp_rank": coords[DP], "pp": self.pp,
+            "schedule": self.schedule, "microbatches": self.microbatches, "virtual_stages": self.virtual_stages,
+            "stage_ids": self.pipeline.stage_ids, "steps": self.pipeline.stats.events,
+        }
+        (trace_dir / f"rank{self.global_rank}.json").write_text(json.dumps(record))
+        rank_zero_info(f"Pipeline trace in {trace_dir}; draw it with `python -m parallelkit.tools.pipeline_timeline {out}`")
