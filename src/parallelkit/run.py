@@ -175,13 +175,17 @@ def _run(cfg: DictConfig) -> dict[str, Any] | None:
     if hasattr(strategy, "check_workload"):
         strategy.check_workload(model, datamodule)
 
+    if cfg.get("mode", "train") == "predict":
+        return _predict(cfg, strategy, accelerator, devices, num_nodes, datamodule, module, trainer_cfg, out)
+
     ckpt_path = cfg.get("ckpt_path")
     if ckpt_path is None and (restart_count() or 0) > 0:
         ckpt_path = "last"  # torchrun restarted this job after a failure: go on from the newest checkpoint
     last = out / "checkpoints" / "last.ckpt"
     if ckpt_path not in (None, "last") or (ckpt_path == "last" and last.exists()):
         # A missing, incomplete, corrupt or mismatched checkpoint is bad input: say so before any rank starts.
-        check_compatible(last if ckpt_path == "last" else ckpt_path, {k: v.shape for k, v in module.state_dict().items()})
+        check = getattr(strategy, "check_checkpoint", check_compatible)  # a strategy with its own checkpoint format
+        check(last if ckpt_path == "last" else ckpt_path, {k: v.shape for k, v in module.state_dict().items()})
 
     summary = RunSummary(out, plan.global_batch_size, sum(p.numel() for p in model.parameters()))
     every = cfg.checkpoint.every_n_steps
@@ -220,6 +224,23 @@ def _run(cfg: DictConfig) -> dict[str, Any] | None:
     local_launch.release()
     trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
     return summary.summary if trainer.is_global_zero else None
+
+
+def _predict(cfg: DictConfig, strategy: Any, accelerator: str, devices: int, num_nodes: int, datamodule: Any, module: Any, trainer_cfg: dict, out: Path) -> dict[str, Any] | None:
+    """``mode=predict``: load a checkpoint of any strategy and world size, score and generate (parallelkit.predict)."""
+    import lightning.pytorch as pl
+
+    from parallelkit.predict import check_predict_config, load_weights, predict
+
+    check_predict_config(cfg)
+    load_weights(module, cfg.ckpt_path)  # full tensors into the single-device model; the strategy splits them
+    trainer_cfg = {k: v for k, v in trainer_cfg.items() if k in ("limit_val_batches", "precision")}
+    trainer = pl.Trainer(
+        strategy=strategy, accelerator=accelerator, devices=devices, num_nodes=num_nodes, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, default_root_dir=out,
+        use_distributed_sampler=False, **trainer_cfg,
+    )
+    return predict(cfg, trainer, module, datamodule, out)
 
 
 def _teardown_process_group(barrier: bool) -> None:

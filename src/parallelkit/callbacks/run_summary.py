@@ -123,7 +123,9 @@ class RunSummary(Callback):
         local_max = torch.tensor([float(peak_rss_bytes()), *map(float, state.values())], dtype=torch.float64)
         maxima = _global_max(strategy, local_max).tolist()
         comm: CommStats | None = getattr(strategy, "comm_stats", None)
-        comm_per_step = comm.per_step(steps) if comm is not None else {"bytes_sent_per_step": None, "collectives_per_step": None}
+        # Traffic was counted in this process only: divide by the steps it ran (not a resumed run's history).
+        steps_here = max(len(self._step_ends) - 1, 1)
+        comm_per_step = comm.per_step(steps_here) if comm is not None else {"bytes_sent_per_step": None, "collectives_per_step": None}
         val = trainer.callback_metrics.get("val_loss")
         self.summary = {
             "strategy": getattr(strategy, "strategy_name", type(strategy).__name__),
