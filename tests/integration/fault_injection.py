@@ -93,3 +93,13 @@ class KillDuringSave(Callback):
 
         dcp.save = save
         LocalFileOpener.write = write
+
+
+class StepStamp(Callback):
+    """Print each finished optimizer step of rank 0 with a wall-clock time (to time a restart)."""
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_rank == 0:
+            import time
+
+            print(f"fault_injection: step {trainer.global_step} done at {time.time():.3f}", file=sys.stderr, flush=True)
