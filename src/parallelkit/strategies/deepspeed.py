@@ -35,6 +35,7 @@ from parallelkit.distributed.deepspeed_config import (
     validate_deepspeed_options,
     validate_trainer_settings,
 )
+from parallelkit.distributed.elastic import init_process_group_for_attempt
 from parallelkit.distributed.parallel_dims import ParallelDims
 from parallelkit.errors import ConfigError
 from parallelkit.launcher import HydraJobLauncher
@@ -110,6 +111,7 @@ class DeepSpeedStrategy(ParallelKitStrategyMixin, LightningDDPStrategy):
         self._launcher = HydraJobLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 
     def setup_distributed(self) -> None:
+        init_process_group_for_attempt(self._get_process_group_backend(), self._timeout)  # torchrun restarts
         super().setup_distributed()
         self._parallel_dims = self.plan(self.world_size)
         self.device_mesh = self._parallel_dims.build_mesh(self.root_device.type)
