@@ -28,13 +28,14 @@ def test_fp16_with_sharded_gradients_logs_a_moving_loss_scale(single, tmp_path):
     assert abs(run["train_loss"][-1] - single["train_loss"][-1]) / single["train_loss"][-1] < 0.1
 
 
-@pytest.mark.parametrize("strategy", [["strategy=ddp"], ["strategy=zero", "strategy.stage=3"]], ids=["ddp", "zero3"])
+@pytest.mark.parametrize("strategy", [["strategy=ddp"], ["strategy=zero", "strategy.stage=3"], ["strategy=pp", "strategy.pp=2"]], ids=["ddp", "zero3", "pp2"])
 def test_recompute_matches_no_recompute(single, strategy, tmp_path):
     run = run_ok([*TINY, *strategy, "trainer.devices=2", "recompute=full"], tmp_path / "run")
     assert max_rel_diff(run["train_loss"], single["train_loss"]) <= REL_TOL
 
 
 @pytest.mark.slow
-def test_compiled_blocks_match_eager(single, tmp_path):
-    run = run_ok([*TINY, "strategy=ddp", "trainer.devices=2", "compile=true"], tmp_path / "run")
+@pytest.mark.parametrize("strategy", [["strategy=ddp"], ["strategy=zero", "strategy.stage=3"], ["strategy=tp", "strategy.tp=2"]], ids=["ddp", "zero3", "tp2"])
+def test_compiled_blocks_match_eager(single, strategy, tmp_path):
+    run = run_ok([*TINY, *strategy, "trainer.devices=2", "compile=true"], tmp_path / "run")
     assert max_rel_diff(run["train_loss"], single["train_loss"]) <= REL_TOL
