@@ -128,6 +128,11 @@ def stage_ids_for_rank(pp_rank: int, pp: int, virtual_stages: int, schedule: str
 
 
 # ---------------------------------------------------------------------------------------- measurement
+def _memory_of(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor that owns the memory: a DTensor's (tensor parallel inside a stage) is its local shard."""
+    return getattr(tensor, "_local_tensor", tensor)
+
+
 class SavedActivationMeter:
     """Bytes of tensors autograd keeps for backward (activations), live and peak, parameters excluded.
 
@@ -137,15 +142,16 @@ class SavedActivationMeter:
     """
 
     def __init__(self, params: list[torch.Tensor]) -> None:
-        self._param_storages = {p.untyped_storage().data_ptr() for p in params}
+        self._param_storages = {_memory_of(p).untyped_storage().data_ptr() for p in params}
         self._refs: dict[tuple[int, int], list[int]] = {}
         self.live = 0
         self.peak = 0
 
     def pack(self, tensor: torch.Tensor) -> Any:
-        if tensor.untyped_storage().data_ptr() in self._param_storages or tensor.data_ptr() == 0:
+        memory = _memory_of(tensor)  # what to key on; the saved object stays the tensor itself
+        if memory.untyped_storage().data_ptr() in self._param_storages or memory.data_ptr() == 0:
             return tensor
-        key = (tensor.data_ptr(), tensor.numel() * tensor.element_size())
+        key = (memory.data_ptr(), memory.numel() * memory.element_size())
         entry = self._refs.get(key)
         if entry is None:
             entry = self._refs[key] = [0, key[1]]

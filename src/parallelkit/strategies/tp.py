@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 from typing import Any, Callable
 
@@ -34,7 +35,43 @@ def tensor_parallel_plan_of(model: torch.nn.Module) -> Callable[..., TensorParal
     return plan
 
 
-class TensorParallelStrategy(MeshStrategy):
+class TensorParallelSteps:
+    """Runs a strategy's steps inside its :class:`TensorParallel` handle's context (``self.tensor_parallel``).
+
+    Shared by :class:`TensorParallelStrategy` and the hybrid strategies (``strategy=hybrid4d``), which put it
+    before their mesh/pipeline base class. With ``self.tensor_parallel`` unset (no tensor parallelism) the
+    steps run as the base class runs them.
+    """
+
+    tensor_parallel: TensorParallel | None = None
+
+    def _tp_context(self, count: bool = True) -> Any:
+        return self.tensor_parallel.context(count=count) if self.tensor_parallel is not None else contextlib.nullcontext()
+
+    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        # Forward, backward, the gradient sync and clipping (norms reduced over tp) run inside: all counted.
+        with self._tp_context():
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self.tensor_parallel is not None:
+            self.tensor_parallel.begin_step()
+        with self._tp_context():
+            return super().training_step(*args, **kwargs)
+
+    def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        # loss_parallel's cross-entropy has its own backward rule: it must be active here too. (Under
+        # gradient accumulation Lightning runs the non-final micro-batches outside optimizer_step.)
+        with self._tp_context():
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        # Not counted: comm.bytes_sent_per_step is the traffic of a training step.
+        with self._tp_context(count=False):
+            return super().validation_step(*args, **kwargs)
+
+
+class TensorParallelStrategy(TensorParallelSteps, MeshStrategy):
     """Split every transformer layer over ``tp`` ranks; replicate that group ``dp`` times.
 
     The model's plan (``tensor_parallel_plan`` in its ``parallelize.py``) is applied with
@@ -95,25 +132,3 @@ class TensorParallelStrategy(MeshStrategy):
         self.tensor_parallel = apply_tp(model, mesh[TP], self._plan_for(model, self.parallel_dims.tp), comm_stats=self.comm_stats)
         self.grad_syncs.append(self.tensor_parallel)
         self.grad_syncs.append(apply_grad_allreduce(model.parameters(), mesh[DP].get_group(), comm_stats=self.comm_stats))
-
-    # ---------------------------------------------------------------- steps run inside the plan's context
-    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
-        # Forward, backward, the gradient sync and clipping (norms reduced over tp) run inside: all counted.
-        with self.tensor_parallel.context():
-            return super().optimizer_step(optimizer, closure, model, **kwargs)
-
-    def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        self.tensor_parallel.begin_step()
-        with self.tensor_parallel.context():
-            return super().training_step(*args, **kwargs)
-
-    def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
-        # loss_parallel's cross-entropy has its own backward rule: it must be active here too. (Under
-        # gradient accumulation Lightning runs the non-final micro-batches outside optimizer_step.)
-        with self.tensor_parallel.context():
-            return super().backward(closure_loss, optimizer, *args, **kwargs)
-
-    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        # Not counted: comm.bytes_sent_per_step is the traffic of a training step.
-        with self.tensor_parallel.context(count=False):
-            return super().validation_step(*args, **kwargs)

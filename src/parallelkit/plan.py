@@ -1,0 +1,321 @@
+"""Dry run of a parallel layout: ``python -m parallelkit.plan strategy=hybrid4d strategy.tp=2 trainer.devices=64``.
+
+Composes the same config as ``train.py`` (Hydra's compose API on ``conf/``), resolves the strategy's
+:class:`ParallelDims` for the world size, builds the named :class:`DeviceMesh` in *this one process* on
+torch's ``fake`` process-group backend (so 64 or 1024 ranks cost nothing), builds the model on the
+``meta`` device, and prints without training:
+
+- every rank's ``(dp, sharding, tp, pp, ep)`` coordinates and the ranks of its group on every mesh axis;
+- per-rank parameter / gradient / optimizer-state bytes: TP divides the layers its plan shards by ``tp``,
+  PP keeps the stage's modules (the model's real ``pipeline_stages`` cut, applied to a meta copy), EP keeps
+  ``1/ep`` of the experts, sharding divides by ``sharding`` per ZeRO stage (1: optimizer, 2: + grads,
+  3 / FSDP2: + params);
+- estimated bytes each rank sends per optimizer step, per axis (ring convention, as ``CommStats`` counts):
+  dp/sharding gradient all-reduce or reduce-scatter + parameter all-gather, TP Megatron ``8·b·s·h·(t−1)/t``
+  elements per layer, PP ``b·s·h`` activations (forward) and gradients (backward) per stage boundary, EP
+  dispatch + combine all-to-alls.
+
+It also writes a PNG drawing the rank grid coloured by each axis (``--png PATH``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import fnmatch
+import math
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from parallelkit.distributed.parallel_dims import DP, EP, PP, SHARDING, TP, ParallelDims
+
+CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
+AXES = (DP, SHARDING, TP, PP, EP)
+
+
+@dataclass
+class RankPlan:
+    rank: int
+    coords: dict[str, int]
+    groups: dict[str, list[int]]
+    state_bytes: dict[str, int]
+    comm_bytes: dict[str, int]
+
+
+@dataclass
+class Plan:
+    strategy: str
+    dims: ParallelDims
+    num_params: int
+    ranks: list[RankPlan] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+
+# ------------------------------------------------------------------------------------ config
+def compose_config(overrides: list[str]) -> Any:
+    """The ``train`` config composed with ``overrides``, as ``train.py`` would see it."""
+    from hydra import compose, initialize_config_dir
+
+    from parallelkit.cli import register_resolvers
+
+    register_resolvers()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return compose("train", overrides=list(overrides))
+
+
+@contextlib.contextmanager
+def fake_world(world_size: int, rank: int = 0):
+    """A default process group of ``world_size`` ranks on the ``fake`` backend (no communication), torn down after."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise RuntimeError("parallelkit.plan needs to create its own fake process group; one is already initialised")
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def mesh_groups(dims: ParallelDims) -> dict[str, list[list[int]]]:
+    """For every mesh axis, its process groups (lists of global ranks), read from the real DeviceMesh."""
+    with fake_world(dims.world_size):
+        mesh = dims.build_mesh("cpu")
+        layout = mesh.mesh  # global ranks, shaped like the mesh
+        groups = {}
+        for i, axis in enumerate(mesh.mesh_dim_names):
+            moved = layout.movedim(i, -1).reshape(-1, layout.shape[i])
+            groups[axis] = [row.tolist() for row in moved]
+    groups[EP] = dims.expert_parallel_groups()
+    return groups
+
+
+# ------------------------------------------------------------------------------------ model state
+def tp_divisors(model: torch.nn.Module, tp: int, sequence_parallel: bool = False) -> dict[str, int]:
+    """Parameter name → how many ways TP splits it (the model's plan: column-parallel weight and bias,
+    row-parallel weight; row-parallel biases and everything else stay whole)."""
+    if tp == 1:
+        return {}
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    from parallelkit.strategies.tp import tensor_parallel_plan_of
+
+    plan = tensor_parallel_plan_of(model)(model, tp, sequence_parallel=sequence_parallel)
+    split: dict[str, int] = {}
+    for name, module in model.named_modules():
+        style = next((s for pattern, s in plan.layout.items() if fnmatch.fnmatchcase(name, pattern)), None)
+        if isinstance(style, (ColwiseParallel, RowwiseParallel)):
+            for pname, _ in module.named_parameters(recurse=False):
+                if isinstance(style, ColwiseParallel) or pname == "weight":
+                    split[f"{name}.{pname}"] = tp
+    return split
+
+
+def stage_param_names(model: torch.nn.Module, dims: ParallelDims, pp_rank: int, options: dict[str, Any]) -> set[str]:
+    """Names of the parameters pipeline rank ``pp_rank`` keeps: the model's own cut, on a meta copy."""
+    names = {n for n, _ in model.named_parameters()}
+    if dims.pp == 1:
+        return names
+    from parallelkit.distributed.pipeline_parallel import stage_blocks, stage_ids_for_rank
+    from parallelkit.strategies.pp import pipeline_plan
+
+    plan = pipeline_plan(model)
+    num_stages = dims.pp * options["virtual_stages"]
+    blocks = stage_blocks(plan.pipeline_blocks(model), num_stages, options["split"])
+    stage_ids = stage_ids_for_rank(pp_rank, dims.pp, options["virtual_stages"], options["schedule"])
+    cut = copy.deepcopy(model)
+    plan.pipeline_stages(cut, blocks, stage_ids)
+    return {n for n, _ in cut.named_parameters()}
+
+
+def expert_param_names(model: torch.nn.Module) -> set[str]:
+    from parallelkit.strategies.moe import expert_parallel_plan_of
+
+    ids = {id(p) for site in expert_parallel_plan_of(model).sites for p in site.experts_dict.parameters()}
+    return {n for n, p in model.named_parameters() if id(p) in ids}
+
+
+def optimizer_slots(optim_target: str) -> int:
+    """fp32 tensors of optimizer state per parameter element: Adam(W) 2 (both moments), SGD 1 (momentum)."""
+    name = optim_target.rsplit(".", 1)[-1].lower()
+    return 2 if "adam" in name else 1
+
+
+def rank_state_bytes(model, dims, coords, options) -> tuple[dict[str, int], int, int]:
+    """``({params, grads, optimizer} bytes, unsharded local param bytes, of which expert bytes)`` of one rank."""
+    keep = options["stage_names"][coords[PP]]
+    tp_split, experts = options["tp_split"], options["experts"]
+    local = expert = 0.0
+    for name, p in model.named_parameters():
+        if name not in keep:
+            continue
+        size = p.numel() * p.element_size() / tp_split.get(name, 1)
+        if name in experts:
+            size /= dims.ep
+            expert += size
+        local += size
+    stage, s = options["zero_stage"], dims.sharding
+    params = local / s if stage >= 3 else local
+    grads = local / s if stage >= 2 else local
+    opt = options["slots"] * local / (s if stage >= 1 else 1)  # fp32 state: slots × the fp32 parameters
+    return {"params": int(params), "grads": int(grads), "optimizer": int(opt)}, int(local), int(expert)
+
+
+# ------------------------------------------------------------------------------------ traffic
+def rank_comm_bytes(dims, coords, local_bytes, options, expert_bytes: int = 0) -> dict[str, int]:
+    """Estimated bytes this rank sends per optimizer step, per axis."""
+    dp, s, t = dims.dp, dims.sharding, dims.tp
+    stage, cfg = options["zero_stage"], options["model_cfg"]
+    b, seq, h, elem = options["rank_batch"], cfg["seq_len"], cfg["n_embd"], 4
+    comm = {axis: 0.0 for axis in AXES}
+    n = local_bytes
+    if s > 1:  # reduce-scatter of gradients + all-gather of parameters (twice under ZeRO-3 with reshard)
+        gathers = 2 if stage >= 3 and options["reshard_after_forward"] else 1
+        comm[SHARDING] = (1 + gathers) * n * (s - 1) / s
+        comm[DP] = 2 * (n / s) * (dp - 1) / dp  # HSDP: replicas all-reduce their shard
+    else:  # dense gradients over all dp ranks; experts only over the dp / ep ranks holding the same ones
+        g = dp // dims.ep
+        comm[DP] = 2 * (n - expert_bytes) * (dp - 1) / dp + 2 * expert_bytes * (g - 1) / g
+    layers = options["layers_per_pp_rank"][coords[PP]]
+    comm[TP] = 8 * b * seq * h * (t - 1) / t * elem * layers
+    for sid in options["stage_ids"][coords[PP]]:
+        comm[PP] += b * seq * h * elem * ((sid < options["num_stages"] - 1) + (sid > 0))
+    if dims.ep > 1:  # dispatch + combine, forward and backward, top_k copies of each token
+        comm[EP] = 4 * b * seq * h * elem * cfg["top_k"] * (dims.ep - 1) / dims.ep * options["moe_layers_per_pp_rank"][coords[PP]]
+    return {axis: int(v) for axis, v in comm.items()}
+
+
+# ------------------------------------------------------------------------------------ the plan
+def build_plan(overrides: list[str]) -> Plan:
+    from hydra.utils import instantiate
+
+    cfg = compose_config(overrides)
+    strategy = instantiate(cfg.strategy)
+    devices = cfg.trainer.get("devices") or strategy.default_devices("cpu")
+    dims = strategy.plan(devices * (cfg.trainer.get("num_nodes") or 1))
+    datamodule = instantiate(cfg.data)
+    batch = datamodule.configure(dims.data_parallel_size, cfg.trainer.get("accumulate_grad_batches", 1))
+    with torch.device("meta"):
+        model = instantiate(cfg.model, **datamodule.model_kwargs())
+    mcfg = {"seq_len": datamodule.model_kwargs().get("block_size", 1), "n_embd": getattr(model.config, "n_embd", 0)
+            if hasattr(model, "config") else 0, "top_k": getattr(model, "top_k", 1)}
+    vs = getattr(strategy, "virtual_stages", 1) if dims.pp > 1 else 1
+    options: dict[str, Any] = {
+        "virtual_stages": vs, "split": getattr(strategy, "split", None), "schedule": getattr(strategy, "schedule", "1f1b"),
+        "zero_stage": getattr(strategy, "stage", 3) if dims.sharding > 1 else 0,
+        "reshard_after_forward": getattr(strategy, "reshard_after_forward", True),
+        "slots": optimizer_slots(cfg.optim.optimizer._target_), "model_cfg": mcfg,
+        "rank_batch": batch.global_batch_size // dims.data_parallel_size, "num_stages": dims.pp * vs,
+        "tp_split": tp_divisors(model, dims.tp, getattr(strategy, "sequence_parallel", False)),
+        "experts": expert_param_names(model) if dims.ep > 1 else set(),
+    }
+    options["stage_names"] = {r: stage_param_names(model, dims, r, options) for r in range(dims.pp)}
+    from parallelkit.distributed.pipeline_parallel import stage_ids_for_rank
+
+    options["stage_ids"] = {r: stage_ids_for_rank(r, dims.pp, vs, options["schedule"]) if dims.pp > 1 else [0] for r in range(dims.pp)}
+    block_names = {n.split(".")[1] for n, _ in model.named_parameters() if n.startswith("layers.")}
+    moe = set(getattr(model, "moe_layers", dict)())
+    options["layers_per_pp_rank"] = {r: sum(1 for i in block_names if any(n.startswith(f"layers.{i}.") for n in names))
+                                     for r, names in options["stage_names"].items()}
+    options["moe_layers_per_pp_rank"] = {r: sum(1 for m in moe if any(n.startswith(m + ".") for n in names))
+                                         for r, names in options["stage_names"].items()}
+    groups = mesh_groups(dims)
+    plan = Plan(type(strategy).__name__ if not hasattr(strategy, "strategy_name") else strategy.strategy_name, dims,
+                sum(p.numel() for p in model.parameters()))
+    for rank in range(dims.world_size):
+        coords = dims.coordinates(rank)
+        state, local, expert = rank_state_bytes(model, dims, coords, options)
+        mine = {axis: next(g for g in axis_groups if rank in g) for axis, axis_groups in groups.items()}
+        plan.ranks.append(RankPlan(rank, coords, mine, state, rank_comm_bytes(dims, coords, local, options, expert)))
+    plan.notes.append(f"per-rank batch {options['rank_batch']} × seq {mcfg['seq_len']} × hidden {mcfg['n_embd']}; "
+                      f"ZeRO stage {options['zero_stage']}; optimizer slots {options['slots']}")
+    return plan
+
+
+# ------------------------------------------------------------------------------------ output
+def _mb(n: int) -> str:
+    """Bytes in the largest unit that keeps the number ≥ 1 (B, K, M, G = 2**10 steps)."""
+    for unit, scale in (("G", 2**30), ("M", 2**20), ("K", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.1f}{unit}"
+    return f"{n}B"
+
+
+def format_plan(plan: Plan) -> str:
+    d = plan.dims
+    lines = [f"strategy={plan.strategy} world={d.world_size} dims={d.as_dict()} mesh_order={list(d.mesh_order)} "
+             f"params={plan.num_params:,}", *plan.notes,
+             "rank | dp sh tp pp ep | params grads optim (bytes) | sent/step dp sharding tp pp ep | groups pp / dp / sharding / tp / ep"]
+    for r in plan.ranks:
+        c, s, m = r.coords, r.state_bytes, r.comm_bytes
+        lines.append(
+            f"{r.rank:4d} | {c[DP]:2d} {c[SHARDING]:2d} {c[TP]:2d} {c[PP]:2d} {c[EP]:2d} | "
+            f"{_mb(s['params'])} {_mb(s['grads'])} {_mb(s['optimizer'])} | "
+            + " ".join(_mb(m[a]) for a in AXES) + " | "
+            + " / ".join(",".join(map(str, r.groups[a])) for a in (PP, DP, SHARDING, TP, EP))
+        )
+    return "\n".join(lines)
+
+
+def draw_plan(plan: Plan, path: Path) -> Path:
+    """One panel per axis: the rank grid, each cell coloured by the rank's index on that axis, labelled
+    with its rank."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    d = plan.dims
+    # A near-square grid whose rows hold whole innermost (tp) groups: rank = row · cols + col.
+    fits = [c for c in range(d.mesh_shape[-1], d.world_size + 1, d.mesh_shape[-1]) if d.world_size % c == 0]
+    cols = min(fits, key=lambda c: abs(c - math.sqrt(d.world_size)))
+    rows = d.world_size // cols
+    fig, axes = plt.subplots(1, 5, figsize=(4 * 5, 4 * rows / cols + 1.2), squeeze=False)
+    for ax, axis in zip(axes[0], (PP, DP, SHARDING, TP, EP)):
+        grid = torch.zeros(rows, cols)
+        for r in plan.ranks:
+            grid[r.rank // cols, r.rank % cols] = r.coords[axis]
+        degree = d.as_dict()[axis]
+        # Distinct colours per index: qualitative maps up to 20, a continuous one beyond.
+        cmap, top = ("tab10", 9) if degree <= 10 else ("tab20", 19) if degree <= 20 else ("turbo", degree - 1)
+        ax.imshow(grid.numpy(), cmap=cmap, vmin=0, vmax=top, aspect="auto")
+        for r in plan.ranks:
+            ax.text(r.rank % cols, r.rank // cols, str(r.rank), ha="center", va="center", fontsize=6)
+        ax.set_title(f"{axis} (degree {d.as_dict()[axis]})")
+        ax.set_xticks([])
+        ax.set_yticks([])
+    fig.suptitle(f"{plan.strategy}: {d.world_size} ranks, {d.as_dict()}, mesh {'×'.join(d.mesh_order)}; colour = index on the axis")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    from parallelkit.errors import ConfigError
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    png = None
+    if "--png" in args:
+        i = args.index("--png")
+        png = Path(args[i + 1])
+        del args[i : i + 2]
+    try:
+        plan = build_plan(args)
+    except ConfigError as err:
+        print(f"Error: {err}", file=sys.stderr)
+        return 2
+    print(format_plan(plan))
+    out = draw_plan(plan, png or Path(f"plan_{plan.strategy}_{plan.dims.world_size}ranks.png"))
+    print(f"rank grid drawn to {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
