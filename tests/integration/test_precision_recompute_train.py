@@ -39,3 +39,8 @@ def test_recompute_matches_no_recompute(single, strategy, tmp_path):
 def test_compiled_blocks_match_eager(single, strategy, tmp_path):
     run = run_ok([*TINY, *strategy, "trainer.devices=2", "compile=true"], tmp_path / "run")
     assert max_rel_diff(run["train_loss"], single["train_loss"]) <= REL_TOL
+
+
+def test_fused_adamw_matches_the_default_implementation(single, tmp_path):
+    run = run_ok([*TINY, "strategy=ddp", "trainer.devices=2", "+optim.optimizer.fused=true"], tmp_path / "run")
+    assert max_rel_diff(run["train_loss"], single["train_loss"]) <= REL_TOL
