@@ -81,8 +81,10 @@ def run_or_explain(cfg: DictConfig) -> None:
         if not is_peer_failure(err):
             raise
         first_line = str(err).strip().splitlines()[0]
+        known = local_launch.failed_peers()
+        who = f"another rank stopped or timed out: {'; '.join(known)}" if known else "another rank stopped or timed out"
         print(
-            f"parallelkit: error: a collective failed because another rank stopped or timed out ({first_line}). "
+            f"parallelkit: error: a collective failed because {who} ({first_line}). "
             "Look at the other ranks' logs in the run directory for the first failure; strategy.timeout_s sets how "
             "long ranks wait for each other.",
             file=sys.stderr,

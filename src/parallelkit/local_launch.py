@@ -18,6 +18,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 EARLY_CHILD_ENV = "PARALLELKIT_EARLY_CHILD"
@@ -81,10 +82,29 @@ def release() -> None:
     for child in _children:
         _send(child, _GO)
     if _children:
-        from lightning.fabric.strategies.launchers.subprocess_script import _launch_process_observer
+        # Ends the whole job if a child fails (like Lightning's own observer), but names the rank first.
+        threading.Thread(target=_observe, args=(list(_children),), daemon=True, name="parallelkit-rank-observer").start()
 
-        # Kills the whole job if a child fails, like Lightning's own launcher does.
-        _launch_process_observer(list(_children))
+
+def _observe(children: list[subprocess.Popen], period_s: float = 0.5, grace_s: float = 5.0) -> None:
+    """Rank 0's watch over the ranks it started: if one dies, say which, then stop the others and itself.
+
+    The grace period lets rank 0's own failure path (a collective that failed because the peer is gone)
+    report and clean up first; this is the fallback when rank 0 is stuck elsewhere.
+    """
+    while True:
+        time.sleep(period_s)
+        codes = [child.poll() for child in children]
+        if all(code == 0 for code in codes):
+            return
+        failed = [f"rank {rank} exited with code {code}" for rank, code in enumerate(codes, start=1) if code not in (None, 0)]
+        if failed:
+            time.sleep(grace_s)
+            print(f"parallelkit: error: {'; '.join(failed)}; stopping the other ranks.", file=sys.stderr, flush=True)
+            for child in children:
+                if child.poll() is None:
+                    child.kill()
+            os._exit(3)
 
 
 def abort() -> None:
@@ -104,6 +124,28 @@ def finish(timeout_s: float = 60.0) -> None:
             child.kill()
             child.wait()
     _children.clear()
+
+
+def failed_peers(grace_s: float = 2.0) -> list[str]:
+    """Which local ranks are known to have died, for the error message of a failed collective.
+
+    On rank 0 of an early launch: the children that exited non-zero (waiting up to ``grace_s`` for a
+    dying one to be reaped). In an early-started child: rank 0, if the launching process is gone.
+    """
+    deadline = time.monotonic() + grace_s
+    if os.environ.get(EARLY_CHILD_ENV) == "1":
+        while os.getppid() == _PARENT_PID and time.monotonic() < deadline:
+            time.sleep(0.1)  # a dying parent may take a moment to be gone
+        return ["rank 0 (the launching process) is gone"] if os.getppid() != _PARENT_PID else []
+    while True:
+        dead = [(rank, child.poll()) for rank, child in enumerate(_children, start=1)]
+        failed = [f"rank {rank} exited with code {code}" for rank, code in dead if code not in (None, 0)]
+        if failed or time.monotonic() > deadline or not _children:
+            return failed
+        time.sleep(0.1)
+
+
+_PARENT_PID = os.getppid()
 
 
 def wait_for_release() -> None:

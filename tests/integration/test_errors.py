@@ -81,6 +81,9 @@ def test_dead_rank_stops_the_job_fast(dead_rank, tmp_path):
     elapsed = time.monotonic() - start
     assert proc.returncode != 0, proc.stderr[-3000:]
     assert f"killing rank {dead_rank}" in proc.stderr + proc.stdout
+    # The surviving rank's message names the one that died.
+    named = "rank 1 exited with code 13" if dead_rank == 1 else "rank 0 (the launching process) is gone"
+    assert named in proc.stderr, proc.stderr[-3000:]
     assert elapsed < timeout_s + 30, f"the job took {elapsed:.0f} s to stop"
     assert not (run_dir / "summary.json").exists()
     time.sleep(1)
