@@ -144,9 +144,14 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--steps", type=int, nargs=2, default=[2, 7], help="short and long run (loopback difference)")
+    parser.add_argument("--keep-other-ranks", action="store_true", help="keep saved parallelkit rows for ranks not measured now")
     args = parser.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     rows = measure(args.ranks, tuple(args.steps))
+    previous = RESULTS / "memory.json"
+    if args.keep_other_ranks and previous.exists():  # re-measure some N, keep the saved rows of the others
+        rows += [r for r in json.loads(previous.read_text())["rows"] if r["backend"] == "parallelkit" and r["ranks"] not in args.ranks]
+        rows.sort(key=lambda r: r["ranks"])
     deepspeed = RESULTS / "memory_deepspeed.json"
     if deepspeed.exists():
         rows += json.loads(deepspeed.read_text()).get("rows", [])
