@@ -5,7 +5,8 @@ per-parameter layout) is loaded into the single-device model in every process �
 it was trained with does not matter — and the strategy chosen now (any, at any M) then parallelizes it as
 for training. The validation set is scored on all M ranks (each its data-parallel shard, the mean reduced
 over ranks), and rank 0 generates text from a prompt with the unsharded model (``predict.samples`` greedy or
-sampled characters; ``model=gpt``/``moe_gpt`` with ``data=chars``). Results go to ``predict.json``.
+sampled characters; ``model=gpt``/``moe_gpt`` with ``data=chars``). With ``data=raster`` every rank predicts
+its tiles of the image and ``predictions.npy`` is reassembled from them. Results go to ``predict.json``.
 """
 
 from __future__ import annotations
@@ -54,8 +55,12 @@ def predict(cfg: DictConfig, trainer: Any, module: Any, datamodule: Any, out: Pa
     # Generation runs on rank 0 with an unsharded copy taken now: after validate the strategy may have split
     # the module across ranks (and reading the checkpoint again would be a collective rank 0 runs alone).
     generator_model = copy.deepcopy(module.model) if options.get("samples", 0) and hasattr(datamodule, "decode") else None
+    # A tiled image (data=raster): every rank predicts its own tiles with an unsharded copy, and the cores are
+    # written into one predictions.npy (parallelkit.data.raster) — reassembly without gathering the image.
+    tiled = copy.deepcopy(module.model) if hasattr(datamodule, "write_predictions") else None
     local_launch.release()
     results = trainer.validate(module, datamodule=datamodule, verbose=False)
+    tiles = datamodule.write_predictions(tiled, trainer.strategy, out) if tiled is not None else None
     if not trainer.is_global_zero:
         return None
     summary: dict[str, Any] = {
@@ -65,6 +70,8 @@ def predict(cfg: DictConfig, trainer: Any, module: Any, datamodule: Any, out: Pa
         "val_loss": float(results[0]["val_loss"]) if results and "val_loss" in results[0] else None,
         "samples": [],
     }
+    if tiles is not None:
+        summary["tiles"] = tiles
     if generator_model is not None:
         model = generator_model
         stoi = {ch: i for i, ch in enumerate(getattr(datamodule, "chars", []))}
@@ -76,7 +83,10 @@ def predict(cfg: DictConfig, trainer: Any, module: Any, datamodule: Any, out: Pa
     tmp = out / "predict.json.tmp"
     tmp.write_text(json.dumps(summary, indent=2))
     os.replace(tmp, out / "predict.json")
-    print(f"parallelkit: val_loss {summary['val_loss']:.4f} on {summary['world_size']} process(es) with strategy={summary['strategy']}")
+    scored = "no validation batch" if summary["val_loss"] is None else f"val_loss {summary['val_loss']:.4f}"
+    print(f"parallelkit: {scored} on {summary['world_size']} process(es) with strategy={summary['strategy']}")
+    if tiles is not None:
+        print(f"parallelkit: {tiles['tiles']} tiles reassembled into {tiles['predictions']}")
     for sample in summary["samples"]:
         print("---\n" + sample)
     return summary

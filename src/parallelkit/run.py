@@ -85,7 +85,7 @@ def check_model_fits_data(cfg: DictConfig, data_kwargs: dict[str, Any]) -> None:
     if missing:
         raise ConfigError(
             f"model={_choice('model')} does not fit data={_choice('data')}: the data provides {sorted(data_kwargs)}, "
-            f"but the model takes no {missing}. Pair gpt with chars and mlp with synthetic "
+            f"but the model takes no {missing}. Pair gpt with chars, mlp with synthetic and segmenter with raster "
             "(e.g. `model=mlp data=synthetic`, or `+experiment=mlp_regression`)."
         )
 
@@ -175,6 +175,8 @@ def _run(cfg: DictConfig) -> dict[str, Any] | None:
     if hasattr(strategy, "check_workload"):
         strategy.check_workload(model, datamodule)
 
+    if hasattr(datamodule, "check_mode"):  # e.g. an unlabelled image can be predicted but not trained on
+        datamodule.check_mode(cfg.get("mode", "train"))
     if cfg.get("mode", "train") == "predict":
         return _predict(cfg, strategy, accelerator, devices, num_nodes, datamodule, module, trainer_cfg, out)
 

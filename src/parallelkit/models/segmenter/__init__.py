@@ -1,0 +1,3 @@
+from parallelkit.models.segmenter.model import TileSegmenter
+
+__all__ = ["TileSegmenter"]
