@@ -6,10 +6,11 @@ For N = 2 and 4 ranks it runs ``train.py`` (``model=gpt``, the default size) wit
 * memory: ``model_state_bytes`` (params + grads + optimizer, everything the strategy keeps per rank) beside
   the formula for fp32 Adam with Ψ parameters (DP 16Ψ, stage 1 8Ψ+8Ψ/N, stage 2 4Ψ+12Ψ/N, stage 3 16Ψ/N);
 * traffic: counted bytes sent per step and rank beside the theory (DP and stages 1-2: 2(N−1)/N·4Ψ,
-  stage 3: 1.5× that), and the bytes that really left through the loopback interface
-  (``/sys/class/net/lo/statistics/tx_bytes``), per step, from the difference of a long and a short run (which
-  cancels start-up traffic) — divided by N to get one rank's share. Other processes using loopback at the
-  same time add noise: run it on a quiet machine.
+  stage 3: 1.5× that), and the bytes that really left each process (``summary.json`` ``os_bytes_written``:
+  the kernel's count of what the process handed to ``write``/``writev``, which gloo's TCP transport sends
+  with), per step, from the difference of a long and a short run (which cancels start-up traffic and the
+  files written). It is per process, so other jobs on the machine do not disturb it — unlike the loopback
+  interface's counter (``/sys/class/net/lo/statistics/tx_bytes``), still recorded as ``sent_loopback``.
 
 DeepSpeed's rows come from ``bench/memory_deepspeed.py`` (merged if its results file exists).
 
@@ -88,14 +89,16 @@ def measure(ranks: list[int], steps: tuple[int, int]) -> list[dict]:
                 total = sum(state.values())
                 counted = long["comm"]["bytes_sent_per_step"] - long["comm"]["by_kind"].get("metrics", {}).get("bytes_per_step", 0)
                 wire = (lo_long - lo_short) / (steps[1] - steps[0]) / n if lo_short is not None else None
+                written = (long["os_bytes_written"] - short["os_bytes_written"]) / (steps[1] - steps[0])
                 rows.append({
                     "contender": name, "backend": "parallelkit", "ranks": n, "stage": stage, "num_params": psi, **state,
                     "total": total, "formula": formula_bytes(stage, psi, n), "ratio": total / formula_bytes(stage, psi, n),
                     "sent_counted": counted, "sent_theory": theory_sent(stage, psi, n), "sent_loopback": wire,
+                    "sent_written": written,
                 })
                 print(f"N={n} {name}: {total / 2**20:.2f} MiB (×{rows[-1]['ratio']:.3f} of formula), "
-                      f"sent {counted / 2**20:.2f} MiB/step (theory {rows[-1]['sent_theory'] / 2**20:.2f}, loopback "
-                      f"{'-' if wire is None else f'{wire / 2**20:.2f}'})", flush=True)
+                      f"sent {counted / 2**20:.2f} MiB/step (theory {rows[-1]['sent_theory'] / 2**20:.2f}, written by the process "
+                      f"{written / 2**20:.3f}, loopback {'-' if wire is None else f'{wire / 2**20:.2f}'})", flush=True)
     return rows
 
 
@@ -104,13 +107,14 @@ def markdown(rows: list[dict]) -> str:
         return "-" if v is None else f"{v / 2**20:.2f}"
 
     lines = [
-        "| N | strategy | params | grads | optimizer | total MiB | formula MiB | measured / formula | sent MiB/step (counted) | theory | loopback |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| N | strategy | params | grads | optimizer | total MiB | formula MiB | measured / formula | sent MiB/step (counted) | theory | written by the process | written / theory |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         lines.append(
             f"| {r['ranks']} | {r['contender']} | {mib(r['params'])} | {mib(r['grads'])} | {mib(r['optimizer'])} | {mib(r['total'])} | "
-            f"{mib(r['formula'])} | {r['ratio']:.3f} | {mib(r.get('sent_counted'))} | {mib(r.get('sent_theory'))} | {mib(r.get('sent_loopback'))} |"
+            f"{mib(r['formula'])} | {r['ratio']:.3f} | {mib(r.get('sent_counted'))} | {mib(r.get('sent_theory'))} | {mib(r.get('sent_written'))} | "
+            f"{'-' if r.get('sent_written') is None else format(r['sent_written'] / r['sent_theory'], '.3f')} |"
         )
     return "\n".join(lines)
 
@@ -143,7 +147,7 @@ def plot(rows: list[dict], path: Path) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
-    parser.add_argument("--steps", type=int, nargs=2, default=[2, 7], help="short and long run (loopback difference)")
+    parser.add_argument("--steps", type=int, nargs=2, default=[2, 7], help="short and long run (their difference is the traffic of the extra steps)")
     parser.add_argument("--keep-other-ranks", action="store_true", help="keep saved parallelkit rows for ranks not measured now")
     args = parser.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")

@@ -8,8 +8,8 @@ size, fp32 AdamW) and reads ``summary.json``:
   maximum over ranks and over the measured points of the first steps — beside the formula for fp32 Adam
   with Ψ parameters (DP 16Ψ, stage 1 8Ψ+8Ψ/N, stage 2 4Ψ+12Ψ/N, stage 3 16Ψ/N);
 * traffic: bytes per step and rank counted at DeepSpeed's communication backend, beside the theory (stage 0
-  and stages 1-2: 2(N−1)/N·4Ψ; stage 3: 1.5× that) and the loopback interface's byte counter (difference
-  of a long and a short run, divided by N; other processes on loopback add noise).
+  and stages 1-2: 2(N−1)/N·4Ψ; stage 3: 1.5× that) and the bytes each process handed to the kernel's
+  write calls (``os_bytes_written``, difference of a long and a short run; see ``bench/memory.py``).
 
 Rows have the schema of ``bench/memory.py``, which merges ``bench/results/memory_deepspeed.json`` into its table.
 
@@ -81,10 +81,12 @@ def measure_deepspeed_memory(ranks: tuple[int, ...] = (2, 4), stages: tuple[int,
                 formula = formula_bytes(stage, psi, n)
                 counted = long["comm"]["bytes_sent_per_step"] - long["comm"]["by_kind"].get("metrics", {}).get("bytes_per_step", 0)
                 wire = (lo_long - lo_short) / (steps[1] - steps[0]) / n if lo_short is not None and lo_long is not None else None
+                written = (long["os_bytes_written"] - short["os_bytes_written"]) / (steps[1] - steps[0])  # per process
                 rows.append({
                     "contender": f"deepspeed stage {stage}", "backend": "deepspeed", "ranks": n, "stage": stage,
                     "num_params": psi, **state, "total": total, "formula": formula, "ratio": total / formula,
                     "sent_counted": counted, "sent_theory": theory_sent(stage, psi, n), "sent_loopback": wire,
+                    "sent_written": written,
                     "by_buffer": long["deepspeed"]["state_bytes_by_buffer"],
                 })
                 print(f"N={n} deepspeed stage {stage}: {total / 2**20:.2f} MiB (×{total / formula:.3f} of formula), "

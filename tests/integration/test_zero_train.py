@@ -122,3 +122,23 @@ def test_sharded_checkpoint_resumes_at_other_world_sizes(stage2_run, tmp_path):
     assert wide.returncode == 2, wide.stderr[-2000:]
     assert "saved from a different model" in wide.stderr and "weight is (32, 32) in the checkpoint but (64, 64) in this model" in wide.stderr, wide.stderr[-2000:]
     assert not (tmp_path / "wide" / "checkpoints").exists()
+
+
+def test_bytes_that_leave_the_process_match_the_theory(tmp_path):
+    """Not parallelkit's own count: what each process handed to the kernel to write (gloo's TCP transport
+    sends with writev), over the steps a 7-step run has beyond a 2-step one (start-up and files cancel)."""
+    written = {}
+    for stage in (1, 3):
+        quiet = [*TINY, "trainer.limit_val_batches=0", "trainer.num_sanity_val_steps=0", "checkpoint.every_n_steps=0",
+                 "strategy=zero", f"strategy.stage={stage}", "trainer.devices=2"]
+        short = run_ok([*quiet, "trainer.max_steps=2"], tmp_path / f"short{stage}")
+        long = run_ok([*quiet, "trainer.max_steps=7"], tmp_path / f"long{stage}")
+        written[stage] = (long["os_bytes_written"] - short["os_bytes_written"]) / 5
+        psi, n = long["num_params"], 2
+    ring = 2 * (n - 1) / n * 4 * psi
+    # stage 1: reduce-scatter + all-gather = DDP's ring all-reduce (gloo's own reduce_scatter, an all-reduce
+    # plus a slice, would make it 1.5×); stage 3: the paper's 1.5× (gathers in forward and backward)
+    assert written[1] == pytest.approx(ring, rel=0.05), written
+    assert written[3] == pytest.approx(1.5 * ring, rel=0.05), written
+    # the counter sees the difference between the stages (a check of the measurement itself)
+    assert written[3] / written[1] == pytest.approx(1.5, rel=0.05)

@@ -31,6 +31,22 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def os_bytes_written() -> int:
+    """Bytes this process handed to the kernel's write calls (Linux ``/proc/self/io`` ``wchar``; 0 elsewhere).
+
+    gloo's TCP transport sends with ``writev``, so this counts the collective traffic that really leaves the
+    process (plus its file writes) — per process, unlike the loopback interface's counter, which other jobs
+    on the machine also move. ``bench/memory.py`` takes the difference of a long and a short run.
+    """
+    try:
+        for line in Path("/proc/self/io").read_text().splitlines():
+            if line.startswith("wchar:"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
 class RunSummary(Callback):
     """Measure the run and write ``output_dir/summary.json``.
 
@@ -120,7 +136,7 @@ class RunSummary(Callback):
         median = statistics.median(durations) if durations else float("nan")
         state = _state_bytes(strategy)
         state["grads"] = max(state["grads"], self._grad_bytes)
-        local_max = torch.tensor([float(peak_rss_bytes()), *map(float, state.values())], dtype=torch.float64)
+        local_max = torch.tensor([float(peak_rss_bytes()), *map(float, state.values()), float(os_bytes_written())], dtype=torch.float64)
         maxima = _global_max(strategy, local_max).tolist()
         comm: CommStats | None = getattr(strategy, "comm_stats", None)
         # Traffic was counted in this process only: divide by the steps it ran (not a resumed run's history).
@@ -140,7 +156,8 @@ class RunSummary(Callback):
             "step_time_s_median": median,
             "samples_per_s": self.global_batch_size / median if durations and median > 0 else None,
             "peak_rss_bytes": int(maxima[0]),
-            "model_state_bytes": dict(zip(state.keys(), (int(v) for v in maxima[1:]))),
+            "model_state_bytes": dict(zip(state.keys(), (int(v) for v in maxima[1:-1]))),
+            "os_bytes_written": int(maxima[-1]),  # max over ranks, whole process life (see os_bytes_written)
             "comm": comm_per_step,
         }
         # Strategies, callbacks and models add their own entries (MoE load, loss scale, ...). Called on

@@ -169,6 +169,60 @@ class MeshStrategy(ParallelKitStrategyMixin, ModelParallelStrategy):
                 old.unlink()
         self.barrier()
 
+    def param_groups_key(self) -> str:
+        """The checkpoint key of this rank's optimizer ``param_groups``.
+
+        A checkpoint keeps one object per key (rank 0's), which is right while every rank's groups list the
+        same parameters. Where ranks hold different ones (pipeline stages, experts), a strategy names the
+        groups after what this rank holds, so each rank saves and finds its own.
+        """
+        return "param_groups"
+
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        return self._rank_keyed(super().optimizer_state(optimizer))
+
+    def _rank_keyed(self, state: dict[str, Any], back: bool = False) -> dict[str, Any]:
+        key = self.param_groups_key()
+        old, new = (key, "param_groups") if back else ("param_groups", key)
+        return {(new if k == old else k): v for k, v in state.items()}
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """Each rank loads its parameters and optimizer state from the distributed checkpoint.
+
+        Lightning's loader only accepts models with DTensor parameters. A pipeline stage's or an expert
+        shard's are plain tensors under the full model's names (``model.layers.3...``, ``...experts.5...``),
+        so a rank reads exactly the ones it holds.
+        """
+        from torch.distributed.tensor import DTensor
+
+        if any(isinstance(p, DTensor) for p in self.model.parameters()):
+            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        return self._load_per_rank_checkpoint(checkpoint_path, weights_only)
+
+    def _load_per_rank_checkpoint(self, checkpoint_path: Any, weights_only: bool | None) -> dict[str, Any]:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            get_optimizer_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        path = Path(self.broadcast(checkpoint_path))
+        if not (path / "meta.pt").is_file():
+            raise ConfigError(f"strategy={self.strategy_name} resumes from a distributed checkpoint directory (with meta.pt); {path} is not one.")
+        module = self.model
+        state = {"state_dict": get_model_state_dict(module)}
+        dcp.load(state, checkpoint_id=path)
+        module.load_state_dict(state["state_dict"], strict=self.lightning_module.strict_loading)
+        for idx, optimizer in enumerate(self.optimizers):
+            key = f"optimizer_{idx}"
+            optim_state = {key: self._rank_keyed(get_optimizer_state_dict(module, optimizer))}
+            dcp.load(optim_state, checkpoint_id=path)
+            loaded = self._rank_keyed(optim_state[key], back=True)
+            set_optimizer_state_dict(module, optimizer, optim_state_dict=loaded, options=StateDictOptions(cpu_offload=True))
+        return torch.load(path / "meta.pt", weights_only=weights_only)
+
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         # Lightning runs forward and backward inside ``closure``; averaging the gradients right after it
         # puts the sync before gradient clipping and ``on_before_optimizer_step`` callbacks.

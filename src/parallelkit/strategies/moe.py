@@ -95,6 +95,11 @@ class ExpertParallelStrategy(MeshStrategy):
         step, self._all_to_all_bytes_seen = total - self._all_to_all_bytes_seen, total
         return {"moe_all_to_all_bytes": step}
 
+    def param_groups_key(self) -> str:
+        # ranks of different expert shards list different expert parameters (see MeshStrategy.param_groups_key)
+        handle = self.ep_handle
+        return "param_groups" if handle is None else "param_groups_experts_" + "_".join(map(str, handle.local_experts))
+
     def summary_metrics(self, trainer: Any) -> dict[str, Any]:
         handle = self.ep_handle
         return {"expert_parallel": {"ep": self.parallel_dims.ep, "local_experts": handle.local_experts if handle else None}}

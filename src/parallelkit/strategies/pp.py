@@ -220,43 +220,12 @@ class PipelineStrategy(MeshStrategy):
 
     # ---------------------------------------------------------------- checkpoints
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        """Each rank loads its stages' parameters and optimizer state from the distributed checkpoint.
+        # a stage may also hold DTensors (hybrid4d with tp): always the per-rank loader, with stage-keyed groups
+        return self._load_per_rank_checkpoint(checkpoint_path, weights_only)
 
-        Lightning's loader only accepts models with DTensor parameters; a stage's are plain tensors.
-        Keys are the full model's names (``model.layers.3...``), so a rank reads exactly its blocks.
-        """
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            get_model_state_dict,
-            get_optimizer_state_dict,
-            set_optimizer_state_dict,
-        )
-
-        path = Path(self.broadcast(checkpoint_path))
-        if not (path / "meta.pt").is_file():
-            raise ConfigError(f"strategy=pp resumes from a distributed checkpoint directory (with meta.pt); {path} is not one.")
-        module = self.model
-        state = {"state_dict": get_model_state_dict(module)}
-        dcp.load(state, checkpoint_id=path)
-        module.load_state_dict(state["state_dict"], strict=self.lightning_module.strict_loading)
-        for idx, optimizer in enumerate(self.optimizers):
-            key = f"optimizer_{idx}"
-            optim_state = {key: self._stage_keyed(get_optimizer_state_dict(module, optimizer))}
-            dcp.load(optim_state, checkpoint_id=path)
-            loaded = self._stage_keyed(optim_state[key], back=True)
-            set_optimizer_state_dict(module, optimizer, optim_state_dict=loaded, options=StateDictOptions(cpu_offload=True))
-        return torch.load(path / "meta.pt", weights_only=weights_only)
-
-    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
-        return self._stage_keyed(super().optimizer_state(optimizer))
-
-    def _stage_keyed(self, state: dict[str, Any], back: bool = False) -> dict[str, Any]:
-        """Name the param groups after this rank's stages: each pipeline rank has its own (they list its
-        parameters), and a checkpoint keeps one object per key, so shared keys would keep rank 0's only."""
-        key = "param_groups_stages_" + "_".join(map(str, self.pipeline.stage_ids))
-        old, new = (key, "param_groups") if back else ("param_groups", key)
-        return {(new if k == old else k): v for k, v in state.items()}
+    def param_groups_key(self) -> str:
+        # each pipeline rank's optimizer lists its own stages' parameters (see MeshStrategy.param_groups_key)
+        return "param_groups_stages_" + "_".join(map(str, self.pipeline.stage_ids))
 
     # ---------------------------------------------------------------- measurements
     def summary_metrics(self, trainer: Any) -> dict[str, Any]:
