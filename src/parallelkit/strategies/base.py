@@ -65,6 +65,12 @@ class ParallelKitStrategyMixin:
             self._parallel_dims = self.plan(self.world_size)
         return self._parallel_dims
 
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """Data is sharded by the data-parallel rank (tensor/pipeline peers read the same batch), not the global rank."""
+        dims = self.parallel_dims
+        return {"num_replicas": dims.data_parallel_size, "rank": dims.data_parallel_rank(self.global_rank)}
+
     # ---------------------------------------------------------------- run-time capabilities
     def supports(self, capability: str) -> bool:
         """Whether this strategy (as configured) offers ``capability`` (one of the constants in this module)."""

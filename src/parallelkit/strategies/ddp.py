@@ -143,11 +143,6 @@ class DDPStrategy(ParallelKitStrategyMixin, LightningDDPStrategy):
         self._parallel_dims = self.plan(self.world_size)
         self.device_mesh = self._parallel_dims.build_mesh(self.root_device.type)
 
-    @property
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        dims = self.parallel_dims
-        return {"num_replicas": dims.data_parallel_size, "rank": dims.data_parallel_rank(self.global_rank)}
-
     def _setup_model(self, model: Module) -> DistributedDataParallel:
         return apply_ddp(
             model,

@@ -116,11 +116,6 @@ class DeepSpeedStrategy(ParallelKitStrategyMixin, LightningDDPStrategy):
         self._parallel_dims = self.plan(self.world_size)
         self.device_mesh = self._parallel_dims.build_mesh(self.root_device.type)
 
-    @property
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        dims = self.parallel_dims
-        return {"num_replicas": dims.data_parallel_size, "rank": dims.data_parallel_rank(self.global_rank)}
-
     def setup(self, trainer: Any) -> None:
         self.accelerator.setup(trainer)
         validate_trainer_settings(trainer.precision, trainer.gradient_clip_val, trainer.gradient_clip_algorithm)

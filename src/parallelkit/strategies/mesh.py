@@ -108,11 +108,6 @@ class MeshStrategy(ParallelKitStrategyMixin, ModelParallelStrategy):
     def device_mesh(self, mesh: Any) -> None:
         self._device_mesh = mesh
 
-    @property
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        dims = self.parallel_dims
-        return {"num_replicas": dims.data_parallel_size, "rank": dims.data_parallel_rank(self.global_rank)}
-
     def setup(self, trainer: Any) -> None:
         self.accelerator.setup(trainer)
         self.lightning_module.model.to(self.root_device)
