@@ -191,39 +191,86 @@ def rank_comm_bytes(dims, coords, local_bytes, options, expert_bytes: int = 0) -
 
 
 # ------------------------------------------------------------------------------------ the plan
+def build_workload(cfg: Any, data_parallel_size: int = 1) -> tuple[Any, torch.nn.Module]:
+    """The composed run's data module, configured for ``data_parallel_size`` (the data sets decide the
+    vocabulary), and its model on the ``meta`` device (no memory)."""
+    from hydra.utils import instantiate
+
+    datamodule = instantiate(cfg.data)
+    datamodule.configure(data_parallel_size, cfg.trainer.get("accumulate_grad_batches", 1))
+    with torch.device("meta"):
+        model = instantiate(cfg.model, **datamodule.model_kwargs())
+    return datamodule, model
+
+
+def model_shape(model: torch.nn.Module, datamodule: Any) -> dict[str, int]:
+    """The sizes the estimates need: sequence length, width, heads, layers, vocabulary, MoE top-k."""
+    config = getattr(model, "config", None)
+    kwargs = datamodule.model_kwargs()
+    return {"seq_len": kwargs.get("block_size", 1), "n_embd": getattr(config, "n_embd", 0),
+            "n_head": getattr(config, "n_head", 1), "n_layer": getattr(config, "n_layer", 0),
+            "vocab_size": kwargs.get("vocab_size", 0), "top_k": getattr(model, "top_k", 1)}
+
+
+def plan_options(model: torch.nn.Module, dims: ParallelDims, *, shape: dict[str, int], rank_batch: int, slots: int,
+                 zero_stage: int, reshard_after_forward: bool = True, schedule: str = "1f1b", virtual_stages: int = 1,
+                 split: list[int] | None = None, sequence_parallel: bool = False,
+                 cache: dict | None = None) -> dict[str, Any]:
+    """What :func:`rank_state_bytes` and :func:`rank_comm_bytes` need for ``dims``.
+
+    ``cache`` (a dict the caller keeps) reuses the TP split and pipeline cuts across layouts that share
+    ``tp`` or ``pp``: the automatic planner evaluates dozens of layouts of one model.
+    """
+    from parallelkit.distributed.pipeline_parallel import stage_ids_for_rank
+
+    cache = {} if cache is None else cache
+    vs = virtual_stages if dims.pp > 1 else 1
+    options: dict[str, Any] = {
+        "virtual_stages": vs, "split": split, "schedule": schedule,
+        "zero_stage": zero_stage if dims.sharding > 1 else 0, "reshard_after_forward": reshard_after_forward,
+        "slots": slots, "model_cfg": shape, "rank_batch": rank_batch, "num_stages": dims.pp * vs,
+    }
+    key = ("tp", dims.tp, sequence_parallel)
+    if key not in cache:
+        cache[key] = tp_divisors(model, dims.tp, sequence_parallel)
+    options["tp_split"] = cache[key]
+    if dims.ep > 1:
+        options["experts"] = cache.setdefault("experts", expert_param_names(model))
+    else:
+        options["experts"] = set()
+    key = ("pp", dims.pp, vs, schedule, tuple(split or ()))
+    if key not in cache:
+        stage_names = {r: stage_param_names(model, dims, r, options) for r in range(dims.pp)}
+        stage_ids = {r: stage_ids_for_rank(r, dims.pp, vs, schedule) if dims.pp > 1 else [0] for r in range(dims.pp)}
+        block_names = {n.split(".")[1] for n, _ in model.named_parameters() if n.startswith("layers.")}
+        moe = set(getattr(model, "moe_layers", dict)())
+        layers = {r: sum(1 for i in block_names if any(n.startswith(f"layers.{i}.") for n in names))
+                  for r, names in stage_names.items()}
+        moe_layers = {r: sum(1 for m in moe if any(n.startswith(m + ".") for n in names)) for r, names in stage_names.items()}
+        cache[key] = (stage_names, stage_ids, layers, moe_layers)
+    (options["stage_names"], options["stage_ids"], options["layers_per_pp_rank"],
+     options["moe_layers_per_pp_rank"]) = cache[key]
+    return options
+
+
 def build_plan(overrides: list[str]) -> Plan:
     from hydra.utils import instantiate
 
     cfg = compose_config(overrides)
     strategy = instantiate(cfg.strategy)
     devices = cfg.trainer.get("devices") or strategy.default_devices("cpu")
+    if hasattr(strategy, "resolve"):  # strategy=auto: plan the layout it would choose
+        strategy = strategy.resolve(cfg, devices, cfg.trainer.get("num_nodes") or 1)
     dims = strategy.plan(devices * (cfg.trainer.get("num_nodes") or 1))
-    datamodule = instantiate(cfg.data)
-    batch = datamodule.configure(dims.data_parallel_size, cfg.trainer.get("accumulate_grad_batches", 1))
-    with torch.device("meta"):
-        model = instantiate(cfg.model, **datamodule.model_kwargs())
-    mcfg = {"seq_len": datamodule.model_kwargs().get("block_size", 1), "n_embd": getattr(model.config, "n_embd", 0)
-            if hasattr(model, "config") else 0, "top_k": getattr(model, "top_k", 1)}
-    vs = getattr(strategy, "virtual_stages", 1) if dims.pp > 1 else 1
-    options: dict[str, Any] = {
-        "virtual_stages": vs, "split": getattr(strategy, "split", None), "schedule": getattr(strategy, "schedule", "1f1b"),
-        "zero_stage": getattr(strategy, "stage", 3) if dims.sharding > 1 else 0,
-        "reshard_after_forward": getattr(strategy, "reshard_after_forward", True),
-        "slots": optimizer_slots(cfg.optim.optimizer._target_), "model_cfg": mcfg,
-        "rank_batch": batch.global_batch_size // dims.data_parallel_size, "num_stages": dims.pp * vs,
-        "tp_split": tp_divisors(model, dims.tp, getattr(strategy, "sequence_parallel", False)),
-        "experts": expert_param_names(model) if dims.ep > 1 else set(),
-    }
-    options["stage_names"] = {r: stage_param_names(model, dims, r, options) for r in range(dims.pp)}
-    from parallelkit.distributed.pipeline_parallel import stage_ids_for_rank
-
-    options["stage_ids"] = {r: stage_ids_for_rank(r, dims.pp, vs, options["schedule"]) if dims.pp > 1 else [0] for r in range(dims.pp)}
-    block_names = {n.split(".")[1] for n, _ in model.named_parameters() if n.startswith("layers.")}
-    moe = set(getattr(model, "moe_layers", dict)())
-    options["layers_per_pp_rank"] = {r: sum(1 for i in block_names if any(n.startswith(f"layers.{i}.") for n in names))
-                                     for r, names in options["stage_names"].items()}
-    options["moe_layers_per_pp_rank"] = {r: sum(1 for m in moe if any(n.startswith(m + ".") for n in names))
-                                         for r, names in options["stage_names"].items()}
+    datamodule, model = build_workload(cfg, dims.data_parallel_size)
+    batch = datamodule.plan
+    options = plan_options(
+        model, dims, shape=model_shape(model, datamodule), rank_batch=batch.global_batch_size // dims.data_parallel_size,
+        slots=optimizer_slots(cfg.optim.optimizer._target_), zero_stage=getattr(strategy, "stage", 3),
+        reshard_after_forward=getattr(strategy, "reshard_after_forward", True),
+        schedule=getattr(strategy, "schedule", "1f1b"), virtual_stages=getattr(strategy, "virtual_stages", 1) or 1,
+        split=getattr(strategy, "split", None), sequence_parallel=getattr(strategy, "sequence_parallel", False),
+    )
     groups = mesh_groups(dims)
     plan = Plan(type(strategy).__name__ if not hasattr(strategy, "strategy_name") else strategy.strategy_name, dims,
                 sum(p.numel() for p in model.parameters()))
@@ -232,6 +279,7 @@ def build_plan(overrides: list[str]) -> Plan:
         state, local, expert = rank_state_bytes(model, dims, coords, options)
         mine = {axis: next(g for g in axis_groups if rank in g) for axis, axis_groups in groups.items()}
         plan.ranks.append(RankPlan(rank, coords, mine, state, rank_comm_bytes(dims, coords, local, options, expert)))
+    mcfg = options["model_cfg"]
     plan.notes.append(f"per-rank batch {options['rank_batch']} × seq {mcfg['seq_len']} × hidden {mcfg['n_embd']}; "
                       f"ZeRO stage {options['zero_stage']}; optimizer slots {options['slots']}")
     return plan

@@ -154,6 +154,12 @@ def _run(cfg: DictConfig) -> dict[str, Any] | None:
         strategy.bind_trainer_config(trainer_cfg)
     devices = resolve_devices(trainer_cfg.pop("devices", None), strategy, accelerator)
     num_nodes = resolve_num_nodes(trainer_cfg.pop("num_nodes", 1), devices)
+    if hasattr(strategy, "resolve"):  # strategy=auto: chooses the degrees for this model and world, returns hybrid4d
+        strategy = strategy.resolve(cfg, devices, num_nodes)
+        if hasattr(strategy, "bind_accelerator"):  # the resolved strategy gets the same binding as above
+            strategy.bind_accelerator(accelerator)
+        if hasattr(strategy, "bind_trainer_config"):
+            strategy.bind_trainer_config(trainer_cfg)
     dims = strategy.plan(devices * num_nodes)
 
     datamodule = build(cfg.data, "the data module (data=...)")

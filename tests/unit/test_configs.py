@@ -78,6 +78,8 @@ def build_strategy(cfg: DictConfig) -> tuple[Any, Any]:
     from parallelkit.distributed.parallel_dims import ParallelDims
 
     strategy = instantiate(cfg.strategy)
+    if hasattr(strategy, "resolve"):  # strategy=auto: a planner that resolves to the strategy it trains with
+        strategy = strategy.resolve(cfg, strategy.default_devices("cpu"), 1)
     assert isinstance(strategy, Strategy)
     # The planning capability every parallelkit strategy offers (DESIGN §1), before any process starts.
     world = strategy.default_devices("cpu")
