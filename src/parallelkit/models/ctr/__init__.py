@@ -1,0 +1,3 @@
+from parallelkit.models.ctr.model import CTRModel
+
+__all__ = ["CTRModel"]

@@ -1,0 +1,134 @@
+"""End-to-end ``python train.py strategy=ps model=ctr data=ctr trainer.devices=3``: 2 workers + 1 server.
+
+Sync mode must reproduce ``strategy=single`` (dense ``nn.EmbeddingBag``, ``torch.optim.Adagrad`` on the
+whole batch) step by step; async and geo must reach the sync run's validation AUC within 1 % after the
+same number of samples; traffic must follow ``U·(8 + 4·D)·2`` bytes per step per worker; and the
+servers must hold exactly the rows the workers touched.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from test_train import max_rel_diff, run_ok, train
+
+CTR = [
+    "model=ctr",
+    "data=ctr",
+    "optim=adagrad",
+    # 1000 values per field: ids recur, so 40 steps get the model far enough for async/geo to catch up
+    # with sync (at 10^4 and 20 steps, async's AUC was 1-1.5 % behind: still early in training).
+    "data.rows_per_field=1000",
+    "data.num_samples=20000",
+    "data.val_samples=2048",
+    "trainer.max_steps=40",
+    "trainer.val_check_interval=40",
+    "trainer.enable_progress_bar=false",
+    "trainer.enable_model_summary=false",
+]
+PS = ["strategy=ps", "trainer.devices=3"]
+REL_TOL = 1e-5
+DIM = 16  # conf/model/ctr.yaml's embedding_dim
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory) -> dict:
+    return run_ok([*CTR, "strategy=single"], tmp_path_factory.mktemp("single") / "run")
+
+
+@pytest.fixture(scope="module")
+def sync_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("sync") / "run"
+
+
+@pytest.fixture(scope="module")
+def sync(sync_dir) -> dict:
+    # Checkpoints (and the servers' snapshots) after steps 20 and 40, all kept: the resume test starts from 20.
+    return run_ok([*CTR, *PS, "strategy.mode=sync", "checkpoint.every_n_steps=20", "checkpoint.save_top_k=-1"], sync_dir)
+
+
+def test_sync_reproduces_single_process_training(single, sync):
+    assert sync["strategy"] == "ps" and sync["world_size"] == 3
+    assert sync["dims"]["dp"] == 2 and sync["ps"]["workers"] == 2 and sync["ps"]["servers"] == 1
+    assert sync["steps"] == single["steps"] == 40
+    assert max_rel_diff(sync["train_loss"], single["train_loss"]) <= REL_TOL
+    assert sync["train_loss"][-1] < sync["train_loss"][0] - 0.05  # it learned
+    assert sync["val_auc"] == pytest.approx(single["val_auc"], abs=1e-4)
+    assert 0.5 < sync["val_auc"] < sync["data"]["bayes_auc"] <= 1.0  # the ceiling is known and not reached
+    assert single["comm"]["bytes_sent_per_step"] == 0
+
+
+def test_sync_traffic_follows_the_unique_ids_formula(sync):
+    ps = sync["ps"]
+    assert ps["bytes_per_step"] == sync["comm"]["by_kind"]["ps"]["bytes_per_step"] > 0
+    assert 0.99 <= ps["bytes_ratio"] <= 1.05
+    # U < ids in the batch (128 samples × 8 fields per worker): deduplicated before sending.
+    assert ps["formula_bytes_per_step"] < 128 * 8 * (8 + 4 * DIM) * 2
+    # The dense layers are all-reduced among the 2 workers: 4 bytes per dense parameter per step.
+    dense_params = sync["model_state_bytes"]["params"] // 4
+    assert sync["comm"]["by_kind"]["grad_allreduce"]["bytes_per_step"] == dense_params * 4
+
+
+def test_servers_hold_exactly_the_rows_touched(sync):
+    table = sync["ps"]["tables"]["embedding"]
+    assert table["rows"] == table["unique_ids_touched"] > 0
+    assert table["row_bytes"] == table["rows"] * DIM * 4 * 2  # values + Adagrad accumulator
+    assert sync["ps"]["server_peak_rss_bytes"] > 0
+
+
+@pytest.mark.parametrize("mode", ["async", "geo"])
+def test_async_and_geo_reach_sync_auc(sync, mode, tmp_path):
+    run = run_ok([*CTR, *PS, f"strategy.mode={mode}", "strategy.geo_k_steps=5"], tmp_path / "run")
+    assert run["ps"]["mode"] == mode and run["steps"] == sync["steps"]
+    assert abs(run["val_auc"] - sync["val_auc"]) <= 0.01 * sync["val_auc"]
+    # Negative control: these modes are not exact; the check that passes for sync tells them apart.
+    assert max_rel_diff(run["train_loss"], sync["train_loss"]) > REL_TOL
+
+
+@pytest.mark.slow  # ~10 s of start-up for one message; the ConfigErrors themselves: tests/unit/test_ps_unit.py
+def test_bad_input_is_refused_before_any_process_starts(tmp_path):
+    # One end-to-end case (the others are ConfigErrors of the same plan/check hooks: tests/unit/test_ps_unit.py).
+    args, message = ["strategy=ps", "trainer.devices=3", "model=mlp", "data=synthetic"], "parameter_server_tables"
+    proc = train([*args, f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert message in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "run" / "summary.json").exists()
+
+
+@pytest.mark.slow
+def test_a_dead_worker_stops_the_whole_job(tmp_path):
+    """A worker killed mid-training (no cleanup): the other worker and the server must not hang."""
+    import os
+    import subprocess
+    import time
+    from pathlib import Path
+
+    here = Path(__file__).resolve().parent
+    env = {"PYTHONPATH": os.pathsep.join([str(here), os.environ.get("PYTHONPATH", "")])}
+    kill = ["+callbacks.kill._target_=fault_injection.KillRank", "+callbacks.kill.rank=1", "+callbacks.kill.at_step=5"]
+    run_dir = tmp_path / "run"
+    start = time.monotonic()
+    proc = train([*CTR, *PS, "strategy.timeout_s=60", *kill, f"hydra.run.dir={run_dir}"], cwd=tmp_path, timeout=180, env=env)
+    elapsed = time.monotonic() - start
+    assert proc.returncode != 0 and "killing rank 1" in proc.stderr + proc.stdout
+    assert "rank 1 exited with code 13" in proc.stderr, proc.stderr[-3000:]
+    assert elapsed < 60 + 30, f"the job took {elapsed:.0f} s to stop"
+    assert not (run_dir / "summary.json").exists()
+    time.sleep(1)
+    leftovers = subprocess.run(["pgrep", "-f", f"hydra.run.dir=\"{run_dir}\""], capture_output=True, text=True).stdout.split()
+    assert not leftovers, f"processes left behind: {leftovers}"
+
+
+def test_resume_continues_exactly_where_the_servers_snapshot_left_off(sync, sync_dir, tmp_path):
+    """A new job (all ranks new, servers empty) resumes the sync run from its step-20 checkpoint and the
+    servers' snapshot beside it: the same 40 losses as the uninterrupted run — the tables came back with
+    their Adagrad state."""
+    (ckpt,) = (sync_dir / "checkpoints").glob("*step=20.ckpt")
+    assert (ckpt.parent / (ckpt.stem + "_ps") / "server0.pt").is_file()
+    resumed = run_ok([*CTR, *PS, f"ckpt_path='{ckpt}'"], tmp_path / "run")
+    assert resumed["steps"] == 40
+    assert max_rel_diff(resumed["train_loss"], sync["train_loss"]) <= REL_TOL
+    assert resumed["val_auc"] == pytest.approx(sync["val_auc"], abs=1e-4)
+    # The servers hold what the uninterrupted run's servers held. (Without the snapshot restore, i.e. fresh
+    # rows and Adagrad state after the restart, this test's loss check failed at 8.6 % rel. while it was written.)
+    assert resumed["ps"]["tables"]["embedding"]["rows"] == sync["ps"]["tables"]["embedding"]["rows"]
