@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from test_train import max_rel_diff, run_ok, train
+from tests.integration.test_train import max_rel_diff, run_ok, train
 
 CTR = [
     "model=ctr",
