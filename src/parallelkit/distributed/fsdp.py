@@ -69,6 +69,7 @@ def apply_fsdp(
     per_block: bool = True,
     reshard_after_forward: bool = True,
     offload_params: bool = False,
+    ignored_params: set[torch.nn.Parameter] | None = None,
     comm_stats: CommStats | None = None,
 ) -> torch.nn.Module:
     """Shard ``model`` in place with FSDP2 over ``mesh`` (1-D: sharding; 2-D ``(dp, sharding)``: HSDP).
@@ -80,9 +81,11 @@ def apply_fsdp(
             backward.
         offload_params: keep the parameter shards, their gradients and the optimizer state in host memory
             (the optimizer then steps on the host).
+        ignored_params: parameters FSDP2 leaves alone (whole, not sharded, gradients not reduced): an
+            expert-parallel rank's experts, which the caller averages over the ranks holding the same ones.
     """
     offload: OffloadPolicy = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if offload_params else OffloadPolicy()
-    kwargs = {"mesh": mesh, "reshard_after_forward": reshard_after_forward, "offload_policy": offload}
+    kwargs = {"mesh": mesh, "reshard_after_forward": reshard_after_forward, "offload_policy": offload, "ignored_params": ignored_params}
     units = sharding_units(model) if per_block else []
     for unit in units:
         fully_shard(unit, **kwargs)

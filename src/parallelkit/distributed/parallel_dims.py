@@ -152,6 +152,10 @@ class ParallelDims:
         return coords[DP] * self.sharding + coords[SHARDING]
 
     # ------------------------------------------------------------------ expert-parallel groups
+    def data_parallel_groups(self) -> list[list[int]]:
+        """Global ranks that read different batches of the same model part: all ``dp × sharding`` ranks, per ``tp, pp``."""
+        return self._groups_by(lambda c: (c[PP], c[TP]), lambda c: self.data_parallel_rank(0, c))
+
     def expert_parallel_groups(self) -> list[list[int]]:
         """Global ranks that share their tokens' experts: ``ep`` consecutive data-parallel ranks, per ``tp, pp``.
 

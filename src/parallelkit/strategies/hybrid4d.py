@@ -1,18 +1,20 @@
-"""Hybrid parallelism: tensor parallel × sharding/data parallel × pipeline parallel on one named mesh.
+"""Hybrid parallelism: tensor × expert × sharding/data × pipeline parallel on one named mesh.
 
 A thin composition of the techniques in :mod:`parallelkit.distributed`, in the fixed order torchtitan's
 ``parallelize_*`` uses (each step needs the previous one's result, see :func:`compose_before_pipeline`):
 
 1. **TP** (:func:`~parallelkit.distributed.tensor_parallel.apply_tp`) on the *whole* model, over the ``tp``
    mesh axis: parameters become DTensors; module names stay, so the pipeline cut below still finds them.
-2. **EP**: not composed here yet (refused before launch; ``strategy=moe`` runs ep × dp).
+2. **EP** (:func:`~parallelkit.distributed.expert_parallel.apply_ep`) for a Mixture-of-Experts model:
+   experts spread over ``ep`` consecutive data-parallel ranks, tokens routed by all-to-all, capacity
+   decided over all data-parallel ranks (so nothing depends on how the batch is split).
 3. **recompute**: already applied by ``run.py`` to every strategy's model (``recompute=``).
-4. **sharding / DP**: FSDP2 (:func:`~parallelkit.distributed.fsdp.apply_fsdp`) over the ``(dp, sharding)``
-   sub-mesh (HSDP when both are > 1, 2-D with TP like torchtitan), or plain gradient averaging over ``dp``
-   (:func:`~parallelkit.distributed.grad_sync.apply_grad_allreduce`) when ``sharding == 1``.
+4. **sharding / DP** (:func:`apply_data_parallel`): FSDP2 over the ``(dp, sharding)`` sub-mesh (HSDP when
+   both are > 1, 2-D with TP like torchtitan), or plain gradient averaging over ``dp`` when
+   ``sharding == 1``; experts are left out of FSDP2 and averaged over the ranks holding the same ones.
 5. **PP** (:func:`~parallelkit.distributed.pipeline_parallel.apply_pp`, through :class:`PipelineStrategy`):
-   cuts the (TP-split) model into this rank's stages and owns the training step; the stage's gradients
-   are then averaged over ``dp``.
+   cuts the (TP- and EP-split) model into this rank's stages, applies step 4 to the stages, and owns the
+   training step.
 
 ``pp == 1`` runs Lightning's ordinary step (:class:`Hybrid4DStrategy`); ``pp > 1`` needs the pipeline's
 step (:class:`Hybrid4DPipelineStrategy`). ``strategy=hybrid4d`` builds the right one with
@@ -25,7 +27,9 @@ import math
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
+from parallelkit.distributed.expert_parallel import ExpertParallelHandle, ExpertParallelPlan, apply_ep, check_expert_parallel
 from parallelkit.distributed.fsdp import apply_fsdp
 from parallelkit.distributed.grad_sync import apply_grad_allreduce
 from parallelkit.distributed.parallel_dims import DEFAULT_MESH_ORDER, DP, PP, SHARDING, TP, ParallelDims
@@ -33,6 +37,7 @@ from parallelkit.distributed.tensor_parallel import apply_tp
 from parallelkit.errors import ConfigError
 from parallelkit.strategies.base import LIGHTNING_BACKWARD
 from parallelkit.strategies.mesh import DEFAULT_TIMEOUT_S, MeshStrategy
+from parallelkit.strategies.moe import EXPERT_GRAD_ALLREDUCE, expert_parallel_plan_of
 from parallelkit.strategies.pp import PipelineStrategy
 from parallelkit.strategies.tp import TensorParallelSteps, tensor_parallel_plan_of
 
@@ -41,23 +46,13 @@ STRATEGY_NAME = "hybrid4d"
 
 def check_hybrid_degrees(dp: Any, sharding: Any, tp: Any, pp: Any, ep: Any, sequence_parallel: bool) -> None:
     """Refuse, before launch, the combinations this version does not compose (naming each and why)."""
-    for name, value in (("tp", tp), ("pp", pp)):
+    for name, value in (("tp", tp), ("pp", pp), ("ep", ep)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ConfigError(
                 f"strategy=hybrid4d needs an explicit strategy.{name} ≥ 1 (got {value!r}): it decides the model split. "
                 "Use -1 for strategy.dp or strategy.sharding to take the remaining ranks."
             )
     problems = []
-    if ep != 1:
-        problems.append(
-            f"strategy.ep={ep}: expert parallel is not composed with tp/sharding/pp in hybrid4d yet "
-            "(use strategy=moe for ep × dp)"
-        )
-    if pp > 1 and sharding != 1:
-        problems.append(
-            f"strategy.sharding={sharding} with strategy.pp={pp}: FSDP2 sharding of pipeline stages is not composed yet "
-            "(use strategy.dp for the data-parallel ranks of a pipeline)"
-        )
     if sequence_parallel and pp > 1:
         problems.append(
             f"strategy.sequence_parallel=true with strategy.pp={pp}: sequence-sharded activations between pipeline "
@@ -72,13 +67,22 @@ def check_hybrid_degrees(dp: Any, sharding: Any, tp: Any, pp: Any, ep: Any, sequ
         raise ConfigError("strategy=hybrid4d cannot run this combination: " + "; ".join(problems) + ".")
 
 
+def expert_plan_if_moe(model: torch.nn.Module) -> ExpertParallelPlan | None:
+    """The model's expert-parallel plan if it is a Mixture-of-Experts model, else None."""
+    try:
+        plan = expert_parallel_plan_of(model)
+    except ConfigError:
+        return None
+    return plan if plan.sites else None
+
+
 def compose_before_pipeline(strategy: Any, model: torch.nn.Module) -> None:
     """Steps 1-4 of the module docstring's order, on ``strategy``'s mesh (in place).
 
-    TP first: FSDP2 and the pipeline cut must see the DTensor parameters TP makes. The TP gradient sync
+    TP first: EP, FSDP2 and the pipeline cut must see the DTensor parameters TP makes. EP next, on the whole
+    model: the pipeline cut then keeps the local experts of this rank's stages. The TP gradient sync
     (partial sums under sequence parallel) is appended to ``grad_syncs`` before any data-parallel average,
-    which averages each rank's local shards. With a pipeline, the dp average is appended by
-    :class:`PipelineStrategy` after the cut (only the stage's parameters).
+    which averages each rank's local shards. With a pipeline, step 4 runs on the stages after the cut.
     """
     dims: ParallelDims = strategy.parallel_dims
     mesh = strategy.device_mesh
@@ -87,46 +91,121 @@ def compose_before_pipeline(strategy: Any, model: torch.nn.Module) -> None:
         plan = tensor_parallel_plan_of(model)(model, dims.tp, sequence_parallel=strategy.sequence_parallel)
         strategy.tensor_parallel = apply_tp(model, mesh[TP], plan, comm_stats=strategy.comm_stats)
         strategy.grad_syncs.append(strategy.tensor_parallel)
-    # 2. EP: refused by check_hybrid_degrees.  3. recompute: run.py, before the strategy.
-    # 4. sharding / DP (without a pipeline; PipelineStrategy adds the stage's dp average itself)
-    if dims.pp > 1:
-        return
+    # 2. EP: also at ep == 1 for an MoE model, so that capacity is decided over all data-parallel ranks.
+    expert_plan = expert_plan_if_moe(model)
+    if expert_plan is not None:
+        # new_subgroups_by_enumeration is collective: every rank creates every group, in this order.
+        ep_group, _ = dist.new_subgroups_by_enumeration(dims.expert_parallel_groups())
+        strategy.expert_dp_group, _ = dist.new_subgroups_by_enumeration(dims.expert_data_parallel_groups())
+        routing_group, _ = dist.new_subgroups_by_enumeration(dims.data_parallel_groups())
+        strategy.ep_handle = apply_ep(model, expert_plan, ep_group=ep_group, routing_group=routing_group, comm_stats=strategy.comm_stats)
+    # 3. recompute: run.py, before the strategy.
+    # 4. sharding / DP: on the whole model here; with a pipeline, on this rank's stages once they are cut
+    # (PipelineStrategy calls apply_data_parallel).
+    if dims.pp == 1:
+        apply_data_parallel(strategy, [model])
+
+
+def apply_data_parallel(strategy: Any, modules: list[torch.nn.Module]) -> None:
+    """Step 4 for ``modules`` (the model, or its pipeline stages).
+
+    Dense parameters: FSDP2 over the ``(dp, sharding)`` sub-mesh when ``sharding > 1`` (HSDP if ``dp > 1``
+    too), else plain gradient averaging over ``dp``. Expert parameters (EP keeps different ones on the ranks
+    of an expert-parallel group) are left out of FSDP2 and averaged over the ranks that hold the same ones.
+    """
+    dims: ParallelDims = strategy.parallel_dims
+    mesh = strategy.device_mesh
+    handle: ExpertParallelHandle | None = strategy.ep_handle
+    expert_ids = {id(p) for p in handle.expert_params} if handle is not None else set()
+    params = [p for module in modules for p in module.parameters() if p.requires_grad]
+    experts = [p for p in params if id(p) in expert_ids]
+    dense = [p for p in params if id(p) not in expert_ids]
     if dims.sharding > 1:
-        apply_fsdp(
-            model,
-            mesh[(DP, SHARDING)] if dims.dp > 1 else mesh[SHARDING],
-            per_block=strategy.per_block,
-            reshard_after_forward=strategy.reshard_after_forward,
-            comm_stats=strategy.comm_stats,
-        )
+        for module in modules:
+            apply_fsdp(
+                module,
+                mesh[(DP, SHARDING)] if dims.dp > 1 else mesh[SHARDING],
+                per_block=strategy.per_block,
+                reshard_after_forward=strategy.reshard_after_forward,
+                ignored_params=set(experts) or None,
+                comm_stats=strategy.comm_stats,
+            )
     else:
-        strategy.grad_syncs.append(apply_grad_allreduce(model.parameters(), mesh[DP].get_group(), comm_stats=strategy.comm_stats))
-
-
-def _default_devices(strategy: Any, accelerator: str) -> int | None:
-    """On CPU without ``trainer.devices``: the smallest world the degrees fit (a ``-1`` degree takes 1)."""
-    if accelerator == "gpu":
-        return None
-    return math.prod(v for k, v in strategy._degrees.items() if k in (DP, SHARDING, TP, PP) and v != -1)
-
-
-def _check_model(strategy: Any, model: torch.nn.Module, world_size: int) -> None:
-    tp = strategy.plan(world_size).tp
-    if tp > 1:  # heads, width, vocabulary (and sequence) must divide by tp
-        tensor_parallel_plan_of(model)(model, tp, sequence_parallel=strategy.sequence_parallel)
-
-
-def _refuse_norm_clipping(tp: int, clip: Any, algorithm: Any) -> None:
-    if tp > 1 and clip and (algorithm or "norm") == "norm":
-        raise ConfigError(
-            f"strategy=hybrid4d with pp > 1 and tp={tp} does not support trainer.gradient_clip_val={clip} by norm yet: "
-            "the pipeline's whole-model norm does not sum tensor-parallel shards. Use "
-            "trainer.gradient_clip_algorithm=value, strategy.pp=1, or no clipping."
+        strategy.grad_syncs.append(apply_grad_allreduce(dense, mesh[DP].get_group(), comm_stats=strategy.comm_stats))
+    if experts:
+        strategy.grad_syncs.append(
+            apply_grad_allreduce(experts, strategy.expert_dp_group, comm_stats=strategy.comm_stats, kind=EXPERT_GRAD_ALLREDUCE)
         )
 
 
-class Hybrid4DStrategy(TensorParallelSteps, MeshStrategy):
-    """``dp × sharding × tp`` (``pp == 1``): Lightning's own training step inside the TP context.
+class HybridParts:
+    """What the two hybrid strategies share: their options, the model checks before launch, EP bookkeeping.
+
+    Mixed in before :class:`TensorParallelSteps` and the Lightning-facing base class.
+    """
+
+    ep_handle: ExpertParallelHandle | None = None
+    expert_dp_group: Any = None
+
+    def _init_hybrid(self, sequence_parallel: bool, per_block: bool, reshard_after_forward: bool) -> None:
+        self.sequence_parallel = sequence_parallel
+        self.per_block = per_block
+        self.reshard_after_forward = reshard_after_forward
+        self.tensor_parallel = None
+        self.ep_handle = None
+
+    def default_devices(self, accelerator: str) -> int:
+        """On CPU without ``trainer.devices``: the smallest world the degrees fit (a ``-1`` degree takes 1)."""
+        if accelerator == "gpu":
+            return super().default_devices(accelerator)
+        return math.prod(v for k, v in self._degrees.items() if k in (DP, SHARDING, TP, PP) and v != -1)
+
+    def check_model(self, model: torch.nn.Module, world_size: int) -> None:
+        """Before launch: the model can be split as planned (heads % tp, experts % ep; the pipeline's blocks
+        are checked by ``check_workload``)."""
+        dims = self.plan(world_size)
+        if dims.tp > 1:
+            tensor_parallel_plan_of(model)(model, dims.tp, sequence_parallel=self.sequence_parallel)
+        if dims.ep > 1:
+            check_expert_parallel(expert_parallel_plan_of(model, f"strategy=hybrid4d with strategy.ep={dims.ep}"), dims.ep)
+
+    def bind_trainer_config(self, trainer_cfg: dict[str, Any]) -> None:
+        _refuse_norm_clipping_with_experts(self._degrees["ep"], trainer_cfg.get("gradient_clip_val"), trainer_cfg.get("gradient_clip_algorithm"))
+
+    def setup(self, trainer: Any) -> None:
+        _refuse_norm_clipping_with_experts(self._degrees["ep"], trainer.gradient_clip_val, trainer.gradient_clip_algorithm)
+        super().setup(trainer)
+
+    def param_groups_key(self) -> str:
+        # ranks of different expert shards list different expert parameters (see MeshStrategy.param_groups_key)
+        key = super().param_groups_key()
+        if self.ep_handle is not None and self.parallel_dims.ep > 1:
+            key += "_experts_" + "_".join(map(str, self.ep_handle.local_experts))
+        return key
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        if self.ep_handle is not None:  # each rank reads its own experts (plain tensors beside FSDP's DTensors)
+            return self._load_per_rank_checkpoint(checkpoint_path, weights_only)
+        return super().load_checkpoint(checkpoint_path, weights_only)
+
+    def summary_metrics(self, trainer: Any) -> dict[str, Any]:
+        metrics = super().summary_metrics(trainer)
+        if self.ep_handle is not None:
+            metrics["expert_parallel"] = {"ep": self.parallel_dims.ep, "local_experts": self.ep_handle.local_experts}
+        return metrics
+
+
+def _refuse_norm_clipping_with_experts(ep: int, clip: Any, algorithm: Any) -> None:
+    if ep > 1 and clip and (algorithm or "norm") == "norm":
+        raise ConfigError(
+            f"strategy=hybrid4d with strategy.ep={ep} does not support trainer.gradient_clip_val={clip} by norm: each "
+            "rank holds different experts, so each would compute a different gradient norm and the replicas would "
+            "drift apart. Use trainer.gradient_clip_algorithm=value, or leave gradient_clip_val null."
+        )
+
+
+class Hybrid4DStrategy(HybridParts, TensorParallelSteps, MeshStrategy):
+    """``dp × sharding × tp`` (× ``ep``; ``pp == 1``): Lightning's own training step inside the TP context.
 
     Example::
 
@@ -140,23 +219,15 @@ class Hybrid4DStrategy(TensorParallelSteps, MeshStrategy):
                  per_block: bool = True, reshard_after_forward: bool = True, **kwargs: Any) -> None:
         check_hybrid_degrees(dp, sharding, tp, 1, ep, sequence_parallel)
         super().__init__(dp=dp, sharding=sharding, tp=tp, pp=1, ep=ep, **kwargs)
-        self.sequence_parallel = sequence_parallel
-        self.per_block = per_block
-        self.reshard_after_forward = reshard_after_forward
-        self.tensor_parallel = None
-
-    def default_devices(self, accelerator: str) -> int:
-        return _default_devices(self, accelerator) or super().default_devices(accelerator)
-
-    def check_model(self, model: torch.nn.Module, world_size: int) -> None:
-        _check_model(self, model, world_size)
+        self._init_hybrid(sequence_parallel, per_block, reshard_after_forward)
 
     def parallelize(self, model: torch.nn.Module) -> None:
         compose_before_pipeline(self, model)
 
 
-class Hybrid4DPipelineStrategy(TensorParallelSteps, PipelineStrategy):
-    """``dp × tp × pp`` (``pp > 1``): the pipeline owns the step; TP splits every stage's layers.
+class Hybrid4DPipelineStrategy(HybridParts, TensorParallelSteps, PipelineStrategy):
+    """``dp × sharding × tp × pp`` (× ``ep``; ``pp > 1``): the pipeline owns the step; TP splits every stage's
+    layers, FSDP2 shards every stage.
 
     The pipeline's schedule (forward, loss, backward) runs inside the TP context, so a vocabulary-parallel
     output layer's loss runs under ``loss_parallel`` on the last stage.
@@ -169,38 +240,21 @@ class Hybrid4DPipelineStrategy(TensorParallelSteps, PipelineStrategy):
                  **kwargs: Any) -> None:
         check_hybrid_degrees(dp, sharding, tp, pp, ep, sequence_parallel)
         super().__init__(pp=pp, dp=dp, **kwargs)
-        self._degrees.update(tp=tp)  # PipelineStrategy takes pp and dp only; ParallelDims validates all
-        self.sequence_parallel = sequence_parallel
-        self.per_block = per_block
-        self.reshard_after_forward = reshard_after_forward
-        self.tensor_parallel = None
-
-    def default_devices(self, accelerator: str) -> int:
-        return _default_devices(self, accelerator) or super().default_devices(accelerator)
-
-    def check_model(self, model: torch.nn.Module, world_size: int) -> None:
-        _check_model(self, model, world_size)
+        self._degrees.update(sharding=sharding, tp=tp, ep=ep)  # PipelineStrategy takes pp and dp only; ParallelDims validates all
+        self._init_hybrid(sequence_parallel, per_block, reshard_after_forward)
 
     def parallelize(self, model: torch.nn.Module) -> None:
-        compose_before_pipeline(self, model)  # 1-3 (TP) on the whole model
-        super().parallelize(model)  # 5. PP: cut into this rank's stages, then 4. dp average of the stage's grads
+        compose_before_pipeline(self, model)  # 1-3 (TP, EP) on the whole model
+        super().parallelize(model)  # 5. PP: cut into this rank's stages, 4. sharding/DP on them, then the schedule
 
-    def bind_trainer_config(self, trainer_cfg: dict[str, Any]) -> None:
-        """Before launch: refuse norm clipping with TP inside a pipeline (its stage norm is not composed yet)."""
-        _refuse_norm_clipping(self._degrees[TP], trainer_cfg.get("gradient_clip_val"), trainer_cfg.get("gradient_clip_algorithm"))
-
-    def setup(self, trainer: Any) -> None:
-        _refuse_norm_clipping(self._degrees[TP], trainer.gradient_clip_val, trainer.gradient_clip_algorithm)
-        super().setup(trainer)
+    def apply_data_parallel(self, stage_modules: list[torch.nn.Module]) -> None:
+        apply_data_parallel(self, stage_modules)
 
     def _loss_from_last_stage(self, loss: torch.Tensor | None) -> torch.Tensor:
         # Under loss_parallel the last stage's loss is a replicated DTensor: every tp rank holds the value.
         if loss is not None and hasattr(loss, "to_local"):
             loss = loss.to_local()
         return super()._loss_from_last_stage(loss)
-
-
-_PIPELINE_ONLY = ("microbatches", "schedule", "virtual_stages", "split", "trace")
 
 
 def hybrid4d(

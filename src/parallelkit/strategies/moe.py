@@ -105,8 +105,9 @@ class ExpertParallelStrategy(MeshStrategy):
         return {"expert_parallel": {"ep": self.parallel_dims.ep, "local_experts": handle.local_experts if handle else None}}
 
 
-def expert_parallel_plan_of(model: torch.nn.Module) -> ExpertParallelPlan:
-    """The ``expert_parallel_plan(model)`` of the ``parallelize.py`` beside the model's class."""
+def expert_parallel_plan_of(model: torch.nn.Module, who: str = "strategy=moe") -> ExpertParallelPlan:
+    """The ``expert_parallel_plan(model)`` of the ``parallelize.py`` beside the model's class (``who``: the
+    setting that needs it, for the message)."""
     package = type(model).__module__.rpartition(".")[0]
     try:
         plans = importlib.import_module(f"{package}.parallelize")
@@ -115,7 +116,7 @@ def expert_parallel_plan_of(model: torch.nn.Module) -> ExpertParallelPlan:
     make_plan = getattr(plans, "expert_parallel_plan", None)
     if make_plan is None:
         raise ConfigError(
-            f"strategy=moe needs a Mixture-of-Experts model, but {type(model).__name__} has no expert_parallel_plan "
+            f"{who} needs a Mixture-of-Experts model, but {type(model).__name__} has no expert_parallel_plan "
             f"in {package}.parallelize. Use model=moe_gpt."
         )
     return make_plan(model)

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from lightning.pytorch.plugins.precision import Precision
+from torch.distributed.tensor import DTensor
 from lightning.pytorch.utilities import rank_zero_info
 
 from parallelkit.distributed.grad_sync import apply_grad_allreduce
@@ -48,6 +49,22 @@ PP_GRAD_NORM = "pp_grad_norm"
 TRACE_DIR = "pipeline_trace"
 
 
+def squared_norm(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The squared 2-norm of this pipeline rank's gradients, whole over every other axis.
+
+    A DTensor gradient (a tensor-parallel or FSDP shard) is reduced over its own mesh by DTensor itself,
+    which knows which axes hold shards (summed) and which hold replicas (counted once); a plain tensor is
+    the same on every rank that holds it.
+    """
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    for g in grads:
+        if isinstance(g, DTensor):
+            total += torch.linalg.vector_norm(g, dtype=torch.float32).full_tensor().square()
+        else:
+            total += g.float().pow(2).sum()
+    return total
+
+
 def pipeline_plan(model: torch.nn.Module) -> Any:
     """The ``parallelize`` module beside the model's code, which must offer the pipeline split points."""
     package = type(model).__module__.rsplit(".", 1)[0]
@@ -61,6 +78,13 @@ def pipeline_plan(model: torch.nn.Module) -> Any:
             "pipeline_blocks(model) and pipeline_stages(model, blocks_per_stage, stage_ids). model=gpt has them."
         )
     return plan
+
+
+def pipeline_loss(plan: Any, model: torch.nn.Module) -> Any:
+    """The last stage's loss: the plan's ``pipeline_loss(model)`` if its stages pass more than the logits
+    (an MoE model's aux losses), else the model's own ``loss``."""
+    make = getattr(plan, "pipeline_loss", None)
+    return make(model) if make is not None else model.loss
 
 
 class PipelineStrategy(MeshStrategy):
@@ -139,15 +163,24 @@ class PipelineStrategy(MeshStrategy):
         pp_rank = self.parallel_dims.coordinates(self.global_rank)[PP]
         stage_ids = stage_ids_for_rank(pp_rank, self.pp, self.virtual_stages, self.schedule)
         stage_modules = plan.pipeline_stages(model, blocks, stage_ids)  # drops the other stages' modules
+        # Data parallelism before the stages are wrapped: FSDP2 must shard the modules the schedule runs
+        # (the stage then drives FSDP's gradient reduction once per step, after the last micro-batch).
+        self.apply_data_parallel(stage_modules)
         self.pipeline = apply_pp(
             stage_modules, stage_ids, num_stages, self.device_mesh.get_group(PP),
-            microbatches=self.microbatches, schedule=self.schedule, loss_fn=model.loss,
+            microbatches=self.microbatches, schedule=self.schedule, loss_fn=pipeline_loss(plan, model),
             device=self.root_device, comm_stats=self.comm_stats, trace=self.trace,
         )
         self._params = [p for p in model.parameters() if p.requires_grad]
-        # Data parallel on the remaining ranks: each stage's gradients averaged over its dp peers.
-        self.grad_syncs.append(apply_grad_allreduce(self._params, self.device_mesh.get_group(DP), comm_stats=self.comm_stats))
         self._blocks = [[b.start, b.stop] for b in blocks]
+
+    def apply_data_parallel(self, stage_modules: list[torch.nn.Module]) -> None:
+        """Data parallel on the remaining ranks: each stage's gradients averaged over its ``dp`` peers.
+
+        A hybrid strategy overrides this to shard the stages instead (FSDP2 over ``(dp, sharding)``).
+        """
+        params = [p for m in stage_modules for p in m.parameters() if p.requires_grad]
+        self.grad_syncs.append(apply_grad_allreduce(params, self.device_mesh.get_group(DP), comm_stats=self.comm_stats))
 
     # ---------------------------------------------------------------- the step
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
@@ -188,13 +221,13 @@ class PipelineStrategy(MeshStrategy):
         if not max_norm or (algorithm is not None and algorithm != "norm"):
             return  # clipping by value is per element: Lightning's own clipping is already right
         grads = [p.grad for p in self._params if p.grad is not None]
-        sq = torch.stack([g.float().pow(2).sum() for g in grads]).sum() if grads else torch.zeros((), device=self.root_device)
+        sq = squared_norm(grads, self.root_device)
         if self.pp > 1:
             self.comm_stats.record(PP_GRAD_NORM, sq, "all_reduce", self.pp)
             dist.all_reduce(sq, group=self.device_mesh.get_group(PP))
         coef = torch.clamp(float(max_norm) / (sq.sqrt() + 1e-6), max=1.0)
         for g in grads:
-            g.mul_(coef.to(g.dtype))
+            g.mul_(coef.item() if isinstance(g, DTensor) else coef.to(g.dtype))
         # Lightning's per-rank clipping then finds every stage under max_norm and leaves it unchanged.
 
     def _loss_from_last_stage(self, loss: torch.Tensor | None) -> torch.Tensor:

@@ -122,28 +122,38 @@ class GPTPipelineStage(nn.Module):
         self.lm_head = model.lm_head if last else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.tok_emb is not None:
-            seq = x.shape[1]
-            if seq > self.block_size:
-                raise ValueError(f"sequence length {seq} exceeds block_size {self.block_size}")
-            x = self.drop(self.tok_emb(x) + self.pos_emb(torch.arange(seq, device=x.device)))
+        x = self.embed(x)
         for block in self.layers.values():
             x = block(x)
-        if self.lm_head is not None:
-            x = self.lm_head(self.ln_f(x))
-        return x
+        return self.head(x)
+
+    def embed(self, x: torch.Tensor) -> torch.Tensor:
+        """Token ids → the residual stream on the first stage; the identity elsewhere."""
+        if self.tok_emb is None:
+            return x
+        seq = x.shape[1]
+        if seq > self.block_size:
+            raise ValueError(f"sequence length {seq} exceeds block_size {self.block_size}")
+        return self.drop(self.tok_emb(x) + self.pos_emb(torch.arange(seq, device=x.device)))
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        """The residual stream → logits on the last stage; the identity elsewhere."""
+        return self.lm_head(self.ln_f(x)) if self.lm_head is not None else x
 
 
-def pipeline_stages(model: nn.Module, blocks_per_stage: list[range], stage_ids: list[int]) -> list[nn.Module]:
+def pipeline_stages(
+    model: nn.Module, blocks_per_stage: list[range], stage_ids: list[int], stage_class: type = GPTPipelineStage
+) -> list[nn.Module]:
     """Build this rank's stages (``stage_ids``) and drop every module no local stage uses, in place.
 
     Args:
-        model: a :class:`~parallelkit.models.gpt.GPT`.
+        model: a :class:`~parallelkit.models.gpt.GPT` (or a subclass with the same module names).
         blocks_per_stage: for every stage of the whole pipeline, the block indices it owns.
         stage_ids: the stages this rank runs.
+        stage_class: the stage module (a subclass of :class:`GPTPipelineStage` for a GPT variant).
     """
     last = len(blocks_per_stage) - 1
-    stages = [GPTPipelineStage(model, list(blocks_per_stage[s]), s == 0, s == last) for s in stage_ids]
+    stages = [stage_class(model, list(blocks_per_stage[s]), s == 0, s == last) for s in stage_ids]
     kept = {i for s in stage_ids for i in blocks_per_stage[s]}
     for key in [k for k in model.layers if int(k) not in kept]:
         del model.layers[key]
