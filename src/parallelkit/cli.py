@@ -81,7 +81,7 @@ def run_or_explain(cfg: DictConfig) -> None:
         if not is_peer_failure(err):
             raise
         first_line = str(err).strip().splitlines()[0]
-        known = local_launch.failed_peers()
+        known = local_launch.failed_peers() + list(getattr(err, "__notes__", []))
         who = f"another rank stopped or timed out: {'; '.join(known)}" if known else "another rank stopped or timed out"
         print(
             f"parallelkit: error: a collective failed because {who} ({first_line}). "

@@ -123,6 +123,12 @@ def run(cfg: DictConfig) -> dict[str, Any] | None:
         result = _run(cfg)
         finished = True
         return result
+    except RuntimeError as err:
+        from parallelkit.distributed.stuck_ranks import describe, is_timeout, stuck_ranks
+
+        if is_timeout(err) and (stuck := describe(stuck_ranks())):
+            err.add_note(stuck)  # cli's message names them; the store is gone after the teardown below
+        raise
     finally:
         # After a failure the other ranks may never reach a barrier: tear down without one.
         _teardown_process_group(barrier=finished)

@@ -103,3 +103,19 @@ class StepStamp(Callback):
             import time
 
             print(f"fault_injection: step {trainer.global_step} done at {time.time():.3f}", file=sys.stderr, flush=True)
+
+
+class StallRank(Callback):
+    """Make global rank ``rank`` stop responding (sleep, no exit) once ``at_step`` steps are done: a stuck rank."""
+
+    def __init__(self, rank: int, at_step: int, seconds: float = 3600.0) -> None:
+        self.rank = rank
+        self.at_step = at_step
+        self.seconds = seconds
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_rank == self.rank and trainer.global_step >= self.at_step:
+            import time
+
+            print(f"fault_injection: stalling rank {self.rank} at step {trainer.global_step}", file=sys.stderr, flush=True)
+            time.sleep(self.seconds)

@@ -103,3 +103,24 @@ def test_sigterm_stops_every_rank_with_a_failure_code(rank, tmp_path):
     assert proc.returncode != 0, proc.stderr[-3000:]
     assert time.monotonic() - start < timeout_s, "the job waited for the collective timeout instead of stopping"
     assert not (tmp_path / "run" / "summary.json").exists()
+
+
+def test_stuck_rank_is_named_within_the_timeout(tmp_path):
+    """A rank that stops responding (alive, but never reaches the next collective): the others fail once
+    strategy.timeout_s has passed, saying which rank never arrived, and no process is left behind."""
+    timeout_s = 10
+    stall = ["+callbacks.stall._target_=fault_injection.StallRank", "+callbacks.stall.rank=1", "+callbacks.stall.at_step=5"]
+    run_dir = tmp_path / "run"
+    env = {"PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
+    start = time.monotonic()
+    proc = train([*TINY, "strategy=ddp", "trainer.devices=2", f"strategy.timeout_s={timeout_s}", *stall, f"hydra.run.dir={run_dir}"], cwd=tmp_path, timeout=180, env=env)
+    elapsed = time.monotonic() - start
+    assert "stalling rank 1" in proc.stderr
+    assert proc.returncode == 3, proc.stderr[-3000:]
+    assert "rank 1 never reached the collective" in proc.stderr, proc.stderr[-3000:]
+    assert "rank 0 never reached" not in proc.stderr  # only the stuck one is named
+    assert elapsed < 90, f"the job took {elapsed:.0f} s to stop"
+    assert not (run_dir / "summary.json").exists()
+    time.sleep(1)
+    leftovers = subprocess.run(["pgrep", "-f", f"hydra.run.dir=\"{run_dir}\""], capture_output=True, text=True).stdout.split()
+    assert not leftovers, f"processes left behind: {leftovers}"

@@ -147,6 +147,17 @@ def test_unsupported_or_invalid_combinations_raise_config_error(degrees, moe, me
         strategy.check_model(model, 4)
 
 
+def test_more_pipeline_stages_than_blocks_is_a_config_error():
+    from parallelkit.errors import ConfigError
+    from parallelkit.models.gpt.model import GPT
+    from parallelkit.strategies.hybrid4d import hybrid4d
+
+    strategy = hybrid4d(dp=1, tp=1, pp=4)
+    strategy.plan(4)
+    with pytest.raises(ConfigError, match=re.escape("4 stages but the model has only 2 blocks")):
+        strategy.check_workload(GPT(vocab_size=128, block_size=16, n_layer=2, n_head=2, n_embd=32))
+
+
 def test_experts_that_ep_does_not_divide_exit_2_before_launch(tmp_path):
     # Through train.py: model.num_experts=3 cannot be spread over ep=2 ranks; exit code 2, nothing written.
     args = [*MOE, "model.num_experts=3", "model.top_k=1", "strategy=hybrid4d", *_degrees(dp=2, ep=2)[0]]
