@@ -66,10 +66,13 @@ def run_or_explain(cfg: DictConfig) -> None:
         local_launch.start_local_ranks(early)
     finished = False
     try:
-        from parallelkit.run import run
+        try:
+            from parallelkit.run import run
 
-        local_launch.wait_for_release()
-        run(cfg)
+            run(cfg)  # an early-started child builds everything, then waits for rank 0's go before training
+        except BaseException:
+            local_launch.wait_for_release()  # a child that failed first: rank 0's verdict decides (see there)
+            raise
         finished = True
     except ConfigError as err:
         print(f"parallelkit: error: {err}", file=sys.stderr, flush=True)

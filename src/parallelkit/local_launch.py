@@ -3,10 +3,12 @@
 Lightning's launcher starts ranks 1..N-1 from inside ``trainer.fit``, when rank 0 has already imported
 torch and Lightning and built the data and model: the ranks start one after the other and the job pays
 the start-up twice (about 3 s on 2 CPU cores). Here rank 0 starts them right after Hydra composed the
-config, so all ranks import in parallel. The children then wait on their stdin until rank 0 has
-validated the run (``release``): bad input still stops the job before any other rank does any work, with
-one message, and nothing is written. Lightning sees ``LOCAL_RANK`` in the environment and treats the
-processes as externally created, as under torchrun.
+config, so all ranks import torch and Lightning and build the data, model and trainer in parallel. Each child
+then waits on its stdin, just before training, until rank 0 has validated the run (``release_or_wait``):
+bad input still stops the job before any other rank trains or writes anything, with one message from rank 0
+(a child that fails while building defers to rank 0's verdict and leaves quietly when rank 0 stops).
+Lightning sees ``LOCAL_RANK`` in the environment and treats the processes as externally created, as under
+torchrun.
 
 Used only when the local process count is known from the config alone (``trainer.devices`` an int > 1,
 one node, no torchrun/SLURM); otherwise Lightning's launcher starts the ranks as usual.
@@ -148,14 +150,31 @@ def failed_peers(grace_s: float = 2.0) -> list[str]:
 _PARENT_PID = os.getppid()
 
 
+_released = False
+
+
+def release_or_wait() -> None:
+    """Just before training: rank 0 lets the waiting ranks go; an early-started child waits for that go."""
+    if os.environ.get(EARLY_CHILD_ENV) == "1":
+        wait_for_release()
+    else:
+        release()
+
+
 def wait_for_release() -> None:
-    """In an early-started child: block until rank 0 says go; exit quietly if it does not."""
-    if os.environ.get(EARLY_CHILD_ENV) != "1":
+    """In an early-started child: block until rank 0 says go; exit quietly if it does not.
+
+    Also called when a child fails before the go: rank 0 builds the same run and reports bad input itself,
+    so the child's own error only matters if rank 0 goes on.
+    """
+    global _released
+    if os.environ.get(EARLY_CHILD_ENV) != "1" or _released:
         return
     if sys.stdin.buffer.readline() != _GO:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)
+    _released = True
 
 
 def _send(child: subprocess.Popen, data: bytes) -> None:

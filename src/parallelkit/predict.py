@@ -58,7 +58,7 @@ def predict(cfg: DictConfig, trainer: Any, module: Any, datamodule: Any, out: Pa
     # A tiled image (data=raster): every rank predicts its own tiles with an unsharded copy, and the cores are
     # written into one predictions.npy (parallelkit.data.raster) — reassembly without gathering the image.
     tiled = copy.deepcopy(module.model) if hasattr(datamodule, "write_predictions") else None
-    local_launch.release()
+    local_launch.release_or_wait()
     results = trainer.validate(module, datamodule=datamodule, verbose=False)
     tiles = datamodule.write_predictions(tiled, trainer.strategy, out) if tiled is not None else None
     if not trainer.is_global_zero:

@@ -235,7 +235,7 @@ def _run(cfg: DictConfig) -> dict[str, Any] | None:
     except (MisconfigurationException, TypeError) as err:
         raise ConfigError(f"The trainer settings do not work together: {err}") from None
     # Everything that can fail on bad input has run: ranks started early may now go (no-op otherwise).
-    local_launch.release()
+    local_launch.release_or_wait()
     trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
     return summary.summary if trainer.is_global_zero else None
 
