@@ -145,6 +145,7 @@ def _run(cfg: DictConfig) -> dict[str, Any] | None:
     from lightning.pytorch.callbacks import ModelCheckpoint
     from lightning.pytorch.loggers import CSVLogger
 
+    from parallelkit.callbacks.local_sigterm import LocalSigterm
     from parallelkit.callbacks.run_summary import RunSummary
     from parallelkit.models.module import TrainModule
 
@@ -226,7 +227,7 @@ def _run(cfg: DictConfig) -> dict[str, Any] | None:
             accelerator=accelerator,
             devices=devices,
             num_nodes=num_nodes,
-            callbacks=[*callbacks, checkpoint, summary],
+            callbacks=[*callbacks, checkpoint, summary, LocalSigterm()],
             logger=CSVLogger(save_dir=out, name="", version=""),
             default_root_dir=out,
             use_distributed_sampler=False,  # the datamodule shards by the data-parallel rank itself
