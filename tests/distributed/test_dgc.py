@@ -10,7 +10,9 @@ optimizer saw. The tests then check the algorithm's invariants exactly:
 - the result is the mean over ranks of the sparse tensors they sent;
 - warm-up: the number of entries sent follows the sparsity list, and the comm counter says so;
 - momentum correction, momentum masking and local clipping each change exactly what they should;
-- before ``rampup_begin_step`` DGC with momentum correction equals momentum SGD on one process.
+- before ``rampup_begin_step`` DGC with momentum correction equals momentum SGD on one process;
+- end to end, with several DDP buckets that DDP rebuilds after the first step, the weights the ranks step
+  to equal a single-process implementation of the paper's algorithm (residual and momentum per tensor).
 """
 
 # No `from __future__ import annotations`: DDP checks a comm hook's annotations at run time.
@@ -22,9 +24,10 @@ import torch
 import torch.distributed as dist
 from torch.testing import assert_close
 
+from parallelkit.distributed.comm_hooks import counts_own_traffic
 from parallelkit.distributed.comm_stats import CommStats
 from parallelkit.distributed.data_parallel import apply_ddp
-from parallelkit.distributed.dgc import DGC_DENSE, DGC_SPARSE, DGCState, build_dgc, topk_count
+from parallelkit.distributed.dgc import DGC_DENSE, DGC_SPARSE, DGCState, build_dgc, dgc_hook, topk_count
 from parallelkit.models.mlp import MLP
 
 from .harness import run_ranks
@@ -258,6 +261,130 @@ def test_dense_phase_with_momentum_correction_equals_momentum_sgd(runs):
     assert far > 1e-4
 
 
+# ------------------------------------------------------------------ end to end, against one process
+REF_OPTIONS = dict(sparsity=[0.5, 0.9], rampup_begin_step=1, rampup_steps=2, momentum=MOMENTUM, momentum_masking=True,
+                   dense_min_numel=33)  # step 0 dense (its momentum carries over), then 50 %, then 90 %; biases dense
+
+
+class _Reordered(torch.nn.Module):
+    """An MLP whose layers are registered in the reverse order of their use, two hidden layers of one shape.
+
+    DDP averages the first step in one bucket, then rebuilds its buckets in the order gradients became ready:
+    with a small ``bucket_cap_mb`` the layers then sit in other buckets at other offsets. A residual or
+    momentum kept by bucket position would be added to the wrong tensor after step 0 (the two hidden layers
+    have the same shape, so nothing would fail loudly: training would just be worse).
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = torch.nn.Linear(32, OUT_FEATURES)
+        self.hidden2 = torch.nn.Linear(32, 32)
+        self.hidden1 = torch.nn.Linear(32, 32)
+        self.body = torch.nn.Linear(IN_FEATURES, 32)
+
+    def forward(self, x):
+        for layer in (self.body, self.hidden1, self.hidden2):
+            x = torch.relu(layer(x))
+        return self.head(x)
+
+
+@counts_own_traffic
+def _layout_recording_hook(state, bucket):
+    state.layouts.append((state.step, bucket.index(), [state.names[p] for p in bucket.parameters()]))
+    return dgc_hook(state, bucket)
+
+
+def _train_reordered(rank, world_size):
+    x, y = _global_batches()
+    rows = _rows(rank)
+    torch.manual_seed(INIT_SEED + rank)  # DDP broadcasts rank 0's weights
+    model = _Reordered()
+    stats = CommStats()
+    state = DGCState(dist.group.WORLD, stats=stats, **REF_OPTIONS)
+    state.layouts, state.names = [], {p: n for n, p in model.named_parameters()}
+    ddp = apply_ddp(model, process_group=dist.group.WORLD, comm_hook=_layout_recording_hook, comm_state=state,
+                    bucket_cap_mb=0.004)  # about 1,000 floats a bucket: one layer each after the rebuild
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=LR)  # momentum lives in the hook (correction)
+    init = {n: p.detach().clone() for n, p in model.named_parameters()}
+    weights = []
+    for step in range(STEPS):
+        state.begin_step(step)
+        optimizer.zero_grad(set_to_none=True)
+        MLP.loss(ddp(x[step, rows]), y[step, rows]).backward()
+        optimizer.step()
+        weights.append({n: p.detach().clone() for n, p in model.named_parameters()})
+    return {"init": init, "weights": weights, "layouts": state.layouts, "sparse_bytes": stats.bytes(DGC_SPARSE)}
+
+
+def _reference_dgc(init, swap_after_first_step=()):
+    """The paper's algorithm in one process: for each simulated rank, on its own rows, per tensor
+    u ← m·u + g, v ← v + u, send the top-k of |v|, clear v and u where sent; sum what was sent, divide by
+    the ranks, plain SGD. ``swap_after_first_step`` names two tensors whose residual and momentum trade places
+    after step 0, as a store keyed by bucket position would do (the negative control)."""
+    x, y = _global_batches()
+    schedule = DGCState(None, **REF_OPTIONS)
+    model = _Reordered()
+    model.load_state_dict(init)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    names = [n for n, _ in model.named_parameters()]
+    u = [{n: torch.zeros(p.numel()) for n, p in model.named_parameters()} for _ in range(WORLD_SIZE)]
+    v = [{n: torch.zeros(p.numel()) for n, p in model.named_parameters()} for _ in range(WORLD_SIZE)]
+    weights = []
+    for step in range(STEPS):
+        grads = []
+        for rank in range(WORLD_SIZE):
+            model.zero_grad(set_to_none=True)
+            MLP.loss(model(x[step, _rows(rank)]), y[step, _rows(rank)]).backward()
+            grads.append({n: p.grad.detach().reshape(-1).clone() for n, p in model.named_parameters()})
+        sparsity = schedule.sparsity_at(step)
+        for name, p in model.named_parameters():
+            total = torch.zeros(p.numel())
+            for rank in range(WORLD_SIZE):
+                u[rank][name].mul_(MOMENTUM).add_(grads[rank][name])
+                if sparsity == 0 or p.numel() < REF_OPTIONS["dense_min_numel"]:
+                    total += u[rank][name]
+                    continue
+                v[rank][name].add_(u[rank][name])
+                index = torch.topk(v[rank][name].abs(), topk_count(p.numel(), sparsity), sorted=False).indices
+                total.index_add_(0, index, v[rank][name][index])
+                v[rank][name][index] = 0
+                u[rank][name][index] = 0
+            p.grad = (total / WORLD_SIZE).view_as(p)
+        optimizer.step()
+        weights.append({n: p.detach().clone() for n, p in model.named_parameters()})
+        if step == 0 and swap_after_first_step:
+            a, b = swap_after_first_step
+            for store in (*u, *v):
+                store[a], store[b] = store[b], store[a]
+    assert set(names) == set(weights[0])
+    return weights
+
+
+@pytest.fixture(scope="module")
+def reordered(tmp_path_factory):
+    return run_ranks(_train_reordered, WORLD_SIZE, tmp_path_factory.mktemp("dgc_reordered"))
+
+
+def test_end_to_end_equals_single_process_algorithm_across_a_bucket_rebuild(reordered):
+    layouts = reordered[0]["layouts"]
+    first = [names for step, _, names in layouts if step == 0]
+    later = [names for step, _, names in layouts if step == 1]
+    assert len(first) == 1 and len(later) > 2, layouts  # one bucket at step 0, then DDP rebuilt them
+    assert reordered[0]["sparse_bytes"] > 0 and reordered[1]["sparse_bytes"] > 0  # it did compress
+    expected = _reference_dgc(reordered[0]["init"])
+    for rank, result in enumerate(reordered):
+        assert all(torch.equal(result["init"][n], reordered[0]["init"][n]) for n in result["init"])
+        for step in range(STEPS):
+            for name, weight in expected[step].items():
+                assert_close(result["weights"][step][name], weight, rtol=RTOL, atol=ATOL,
+                             msg=lambda m: f"rank {rank} step {step} {name}: {m}")
+    # Negative control: residuals and momenta of the two same-shaped layers swapped after the rebuild.
+    swapped = _reference_dgc(reordered[0]["init"], swap_after_first_step=("hidden1.weight", "hidden2.weight"))
+    with pytest.raises(AssertionError):
+        for name, weight in swapped[-1].items():
+            assert_close(reordered[0]["weights"][-1][name], weight, rtol=RTOL, atol=ATOL)
+
+
 # ------------------------------------------------------------------ the callback's checks (no processes)
 def test_callback_refuses_strategies_without_a_ddp_comm_hook():
     from parallelkit.callbacks.dgc import DeepGradientCompression
@@ -279,6 +406,21 @@ def test_callback_refuses_strategies_without_a_ddp_comm_hook():
     strategy = DDPStrategy()
     DeepGradientCompression().check_strategy(strategy)  # DDP without a hook: accepted, and reserved
     DeepGradientCompression().check_strategy(strategy)  # the same owner may ask again (setup after the pre-check)
+
+
+def test_callback_warns_when_the_run_is_too_short_for_its_sparsity():
+    import warnings
+
+    from parallelkit.callbacks.dgc import DeepGradientCompression
+
+    callback = DeepGradientCompression(rampup_steps=60)  # 99.9 % from step 60
+    with pytest.warns(UserWarning, match=r"240 steps at that sparsity \(about 0.2 sends per coordinate\)"):
+        callback._warn_if_short(300)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        callback._warn_if_short(12_500)  # 12.4 sends per coordinate: no warning
+        callback._warn_if_short(-1)  # epoch-based run: nothing to judge
+        DeepGradientCompression(sparsity=[0.75, 0.99], rampup_steps=60)._warn_if_short(1_100)  # 10.4 sends
 
 
 @pytest.mark.parametrize("kwargs,message", [

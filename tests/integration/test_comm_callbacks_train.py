@@ -55,6 +55,17 @@ def test_dgc_cuts_traffic_and_trains_like_ddp(dense, tmp_path):
     # Python docs differ between Python patch releases); bench/comm_efficiency.py measures that gap.
 
 
+def test_dgc_before_rampup_equals_momentum_sgd_ddp(dense, tmp_path):
+    """Through Lightning: the callback moves SGD's momentum into the hook (the optimizer's becomes 0), so the
+    dense steps before ``rampup_begin_step`` are exactly dense DDP with momentum SGD: no momentum applied
+    twice or lost, no second division by the ranks, nothing from Lightning's closure in between."""
+    run = run_ok([*ARGS, "optim=sgd", "callbacks=[dgc]", "callbacks.dgc.rampup_begin_step=10", "callbacks.dgc.rampup_steps=5"],
+                 tmp_path / "run")
+    assert run["train_loss"][:11] == pytest.approx(dense["train_loss"][:11], rel=1e-6)  # step 10's loss is before its update
+    assert run["train_loss"][12:] != pytest.approx(dense["train_loss"][12:], rel=1e-6)  # then it compresses
+    assert run["dgc"]["compressed_steps"] == STEPS - 10 and run["dgc"]["momentum_correction"] == 0.9
+
+
 def test_adaptive_local_sgd_cuts_traffic_and_trains_like_ddp(dense, tmp_path):
     run = run_ok([*ARGS, "optim=sgd", "callbacks=[local_sgd]", "callbacks.local_sgd.adaptive=true",
                   "callbacks.local_sgd.k_steps=2"], tmp_path / "run")

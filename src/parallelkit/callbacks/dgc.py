@@ -117,6 +117,22 @@ class DeepGradientCompression(Callback):
             f"momentum correction {'on (m=%g)' % momentum if momentum else 'off'}, "
             f"masking {'on' if self.state.momentum_masking else 'off'}, local clipping {self.local_clip_norm or 'off'}."
         )
+        self._warn_if_short(trainer.max_steps)
+
+    def _warn_if_short(self, max_steps: int | None) -> None:
+        """At sparsity s a coordinate is sent about once per 1/(1 − s) steps: a run with few such periods lags dense."""
+        final = self.sparsity[-1]
+        if not max_steps or max_steps < 0 or final <= 0:
+            return
+        steps = max(0, max_steps - self.rampup_begin_step - (self.rampup_steps if self.warmup else 0))
+        sends = steps * (1 - final)
+        if sends < 10:
+            rank_zero_warn(
+                f"DGC at sparsity {final:g} sends each coordinate about once per {1 / (1 - final):,.0f} steps, and this run "
+                f"has {steps} steps at that sparsity (about {sends:.1f} sends per coordinate). Expect its loss to lag dense "
+                "DDP's: on bench/comm_efficiency.py the gap closed only after about ten sends per coordinate (the paper's "
+                "runs are tens of thousands of steps). See docs/communication.md."
+            )
 
     def _take_over_momentum(self, trainer: pl.Trainer) -> float:
         if self.momentum_correction is False:
