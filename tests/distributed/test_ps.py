@@ -249,3 +249,133 @@ def test_snapshot_restore_round_trip(job):
     assert torch.equal(snap["after"], snap["before"])
     before, after = snap["stats"]
     assert [s["embedding"]["rows"] for s in after] == [s["embedding"]["rows"] for s in before]
+
+
+# ------------------------------------------------------------------------------------ a worker dies mid-push
+# Not through run_ranks: here a rank must die (SIGKILL), which the harness rightly reports as a failure.
+DYING_ROWS, DYING_LR = 1 << 19, 0.1  # a 36 MiB push (ids + 16-wide fp32 rows): long enough to be cut on the wire
+
+
+def _dying_rpc(rank: int, store: str) -> None:
+    import os
+
+    import torch.distributed.rpc as rpc
+
+    os.environ["TP_SOCKET_IFNAME"] = "lo"
+    # The TCP transport (not shared memory): the push really crosses a socket that the kill closes.
+    options = rpc.TensorPipeRpcBackendOptions(init_method=store, num_worker_threads=4, rpc_timeout=60, _transports=["uv"])
+    rpc.init_rpc(f"rank{rank}", rank=rank, world_size=2, rpc_backend_options=options)
+
+
+def _dying_push_server(store: str, results, inspect) -> None:
+    """``results``: this process's own pipe to the test (a queue shared with the worker could be left locked by its death)."""
+    import faulthandler
+    import io
+    import os
+
+    import torch.distributed.rpc as rpc
+
+    from parallelkit.ps import server as srv
+
+    torch.set_num_threads(1)
+    server = srv.start_server(1, "async", wait_timeout_s=60)
+    _dying_rpc(0, store)
+    inspect.wait(120)  # the test sets it once the worker is dead
+    faulthandler.dump_traceback_later(30, file=open(store.removeprefix("file://") + ".stacks", "w"))  # if it hangs: where
+    with server._cond:
+        state = server.tables["t"].state_dict()
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    results.send_bytes(buffer.getvalue())
+    rpc.shutdown(graceful=False)  # the peer is gone: no graceful shutdown possible
+    os._exit(0)
+
+
+def _dying_push_worker(store: str, results, delay: float | None, killed_after) -> None:
+    import os
+    import signal
+    import threading
+    import time
+
+    import torch.distributed.rpc as rpc
+
+    from parallelkit.ps import PSClient, TableSpec
+    from parallelkit.ps import server as srv
+
+    torch.set_num_threads(1)
+    _dying_rpc(1, store)
+    client = PSClient(["rank0"], 0, 1, "async")
+    client.create_table(TableSpec("t", DIM, "adagrad"))
+    ids = torch.arange(DYING_ROWS)
+    for chunk in ids.split(1 << 16):
+        client.pull("t", chunk)  # the rows exist before the push
+    grads = torch.full((DYING_ROWS, DIM), 0.5)
+    results.send("ready")
+    start = time.perf_counter()
+
+    def kill() -> None:
+        time.sleep(delay)
+        killed_after.value = time.perf_counter() - start  # shared memory: no feeder thread to flush
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    if delay is not None:
+        threading.Thread(target=kill, daemon=True).start()
+    future = rpc.rpc_async("rank0", srv.rpc_push, args=("t", 0, 0, ids, grads, DYING_LR))
+    future.wait()  # killed before, during or after the transfer
+    killed_after.value = time.perf_counter() - start
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+@pytest.mark.slow
+def test_a_push_cut_by_a_dying_worker_is_applied_whole_or_not_at_all(tmp_path):
+    """A worker pushes 2^19 rows in one async request and is SIGKILLed 0–256 ms after sending began (or once the
+    reply came): each time the server's table holds either none of the push or all of it, exactly, never a part.
+    Which one depends on how far the bytes got; TensorPipe runs a handler only for a message that arrived whole,
+    and the handler computes every new value before it stores any."""
+    import io
+    import multiprocessing
+
+    from parallelkit.ps import TableShard, TableSpec
+
+    reference = TableShard(TableSpec("t", DIM, "adagrad"))
+    ids = torch.arange(DYING_ROWS)
+    before = reference.pull(ids).clone()
+    reference.apply(ids, torch.full((DYING_ROWS, DIM), 0.5), DYING_LR)
+    after = reference.pull(ids)
+    assert (after != before).all()  # the push changes every row: a partial one would show
+
+    ctx = multiprocessing.get_context("spawn")
+    outcomes = []
+    for i, delay in enumerate([0.0, 0.004, 0.016, 0.064, 0.256, None]):
+        # Nothing the dying worker touches may hold a lock: its own pipe, a lock-free shared double.
+        (from_server, to_test), (from_worker, worker_to_test) = ctx.Pipe(duplex=False), ctx.Pipe(duplex=False)
+        inspect, killed_after = ctx.Event(), ctx.Value("d", -1.0, lock=False)
+        store = f"file://{tmp_path}/store{i}"
+        server = ctx.Process(target=_dying_push_server, args=(store, to_test, inspect))
+        worker = ctx.Process(target=_dying_push_worker, args=(store, worker_to_test, delay, killed_after))
+        server.start()
+        worker.start()
+        try:
+            assert from_worker.poll(120) and from_worker.recv() == "ready"
+            worker.join(60)
+            assert worker.exitcode == -9, worker.exitcode
+            inspect.set()
+            assert from_server.poll(120), f"the server did not answer: {(tmp_path / f'store{i}.stacks').read_text()}"
+            state = torch.load(io.BytesIO(from_server.recv_bytes()), weights_only=False)
+            server.join(60)
+        finally:
+            for proc in (server, worker):
+                if proc.is_alive():
+                    proc.kill()
+        order = torch.argsort(state["ids"])
+        assert torch.equal(state["ids"][order], ids)
+        rows, accumulator = state["weights"][order], state["state"][0][order]
+        if torch.equal(rows, before):
+            assert (accumulator == 0).all()
+            outcomes.append(("none", delay, round(killed_after.value, 4)))
+        else:
+            assert torch.equal(rows, after), f"a partial push: {int((rows == after).all(1).sum())} of {DYING_ROWS} rows updated"
+            assert (accumulator == 0.25).all()
+            outcomes.append(("whole", delay, round(killed_after.value, 4)))
+    print("outcomes (applied, kill delay, killed after s):", outcomes)
+    assert outcomes[-1][0] == "whole"  # the reply came before the kill

@@ -124,7 +124,7 @@ def test_resume_continues_exactly_where_the_servers_snapshot_left_off(sync, sync
     servers' snapshot beside it: the same 40 losses as the uninterrupted run — the tables came back with
     their Adagrad state."""
     (ckpt,) = (sync_dir / "checkpoints").glob("*step=20.ckpt")
-    assert (ckpt.parent / (ckpt.stem + "_ps") / "server0.pt").is_file()
+    assert (ckpt.parent / (ckpt.stem + "_ps") / "server0-step20.pt").is_file()
     resumed = run_ok([*CTR, *PS, f"ckpt_path='{ckpt}'"], tmp_path / "run")
     assert resumed["steps"] == 40
     assert max_rel_diff(resumed["train_loss"], sync["train_loss"]) <= REL_TOL

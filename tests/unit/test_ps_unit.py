@@ -190,17 +190,101 @@ def test_roc_auc_equals_the_pairwise_definition():
     assert roc_auc(scores, labels) == pytest.approx(sum(pairs) / len(pairs), abs=1e-12)
 
 
-def test_resume_needs_the_servers_snapshot_of_as_many_servers(tmp_path):
+def test_resume_needs_the_servers_snapshot_of_the_checkpoint_step_from_as_many_servers(tmp_path):
     ckpt = tmp_path / "last.ckpt"
     strategy = ParameterServerStrategy(servers=2)
     with pytest.raises(ConfigError, match="missing"):
         strategy.check_checkpoint(ckpt, {})
     ckpt.write_bytes(b"x")
-    with pytest.raises(ConfigError, match="last_ps"):
+    with pytest.raises(ConfigError, match="not a readable checkpoint"):
         strategy.check_checkpoint(ckpt, {})
-    (tmp_path / "last_ps").mkdir()
-    (tmp_path / "last_ps" / "server0.pt").write_bytes(b"x")
+    torch.save({"global_step": 10}, ckpt)
+    with pytest.raises(ConfigError, match="last_ps holds no snapshot of step 10"):
+        strategy.check_checkpoint(ckpt, {})
+    snapshots = tmp_path / "last_ps"
+    snapshots.mkdir()
+    for k in (0, 1):  # an older pair: the servers' snapshot of step 5 does not go with a step-10 checkpoint
+        (snapshots / f"server{k}-step5.pt").write_bytes(b"x")
+    with pytest.raises(ConfigError, match="no snapshot of step 10"):
+        strategy.check_checkpoint(ckpt, {})
+    (snapshots / "server0-step10.pt").write_bytes(b"x")
     with pytest.raises(ConfigError, match="strategy.servers=1"):
         strategy.check_checkpoint(ckpt, {})
-    (tmp_path / "last_ps" / "server1.pt").write_bytes(b"x")
+    (snapshots / "server1-step10.pt").write_bytes(b"x")
     strategy.check_checkpoint(ckpt, {})
+
+
+@pytest.mark.parametrize("kind", ["adagrad", "adam"])
+def test_a_push_that_fails_half_way_leaves_rows_and_optimizer_state_untouched(kind):
+    """A push is applied whole or not at all. ``lr=None`` fails only after the new optimizer state is computed
+    (the point where an update that stored as it went would already have written the accumulator / moments)."""
+    server = ParameterServer(num_workers=1, mode="async")
+    server.create_table(TableSpec("t", DIM, kind).as_dict())
+    for ids, grad in _sparse_steps(2, 3):
+        server.push("t", 0, 0, ids, grad, lr=0.1)
+    before = server.tables["t"].state_dict()
+    ids = torch.arange(ROWS)
+    with pytest.raises(TypeError):
+        server.push("t", 0, 0, ids, torch.ones(ROWS, DIM), lr=None)
+    after = server.tables["t"].state_dict()
+    for key in ("ids", "weights", "steps"):
+        assert torch.equal(after[key], before[key]), key
+    assert all(torch.equal(a, b) for a, b in zip(after["state"], before["state"]))
+    server.push("t", 0, 0, ids, torch.ones(ROWS, DIM), lr=0.1)  # the lock was released: it keeps serving
+    assert not torch.equal(server.tables["t"].state_dict()["weights"], before["weights"])
+
+
+def test_a_snapshot_is_replaced_whole_or_not_at_all(tmp_path, monkeypatch):
+    """A server dying while it writes a snapshot leaves the previous file as it was, never half a file."""
+    import parallelkit.ps.server as srv
+
+    server = ParameterServer(num_workers=1, mode="async")
+    server.create_table(TableSpec("t", DIM, "adagrad").as_dict())
+    server.push("t", 0, 0, torch.arange(5), torch.ones(5, DIM), lr=0.1)
+    path = tmp_path / "server0-step1.pt"
+    server.snapshot(str(path), step=1)
+    written = path.read_bytes()
+    server.push("t", 0, 0, torch.arange(10), torch.ones(10, DIM), lr=0.1)
+
+    real_save = torch.save
+
+    def dies_half_way(obj, f):
+        real_save(obj, f)
+        f.truncate(f.tell() // 2)
+        raise SystemExit("killed while writing")
+
+    monkeypatch.setattr(srv.torch, "save", dies_half_way)
+    with pytest.raises(SystemExit):
+        server.snapshot(str(path), step=1)
+    monkeypatch.undo()
+    assert path.read_bytes() == written
+    assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")]  # the torn temp file, beside it
+    fresh = ParameterServer(num_workers=1, mode="async")
+    fresh.restore(str(path), step=1)
+    assert fresh.tables["t"].num_rows == 5
+    with pytest.raises(ValueError, match="holds step 1, the checkpoint is of step 2"):
+        fresh.restore(str(path), step=2)
+    # The next checkpoint's snapshot, then the older one and the torn temp file are dropped.
+    server.snapshot(srv.snapshot_file(tmp_path, 0, 2), step=2)
+    server.drop_snapshots(str(tmp_path), 0, keep_step=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["server0-step2.pt"]
+
+
+def test_ctr_values_per_field_keeps_the_samples_whatever_the_id_space():
+    """The benchmark's 10^5 vs 10^7 comparison: the same values, labels and duplicates per batch, only the ids
+    spread over a 100× larger space (no collisions in either)."""
+    small, labels, prob = make_ctr(3000, 4, 10**5, 1.1, 2.0, seed=3, values_per_field=10**5)
+    big, labels_big, prob_big = make_ctr(3000, 4, 10**7, 1.1, 2.0, seed=3, values_per_field=10**5)
+    assert torch.equal(labels, labels_big) and torch.equal(prob, prob_big)
+    assert ((big // 10**7) == torch.arange(4)).all() and ((small // 10**5) == torch.arange(4)).all()
+    assert big.max() > 10**5 * 4  # really spread over the larger space
+    pairs = torch.unique(torch.stack([small.flatten(), big.flatten()]), dim=1).shape[1]
+    assert pairs == len(torch.unique(small)) == len(torch.unique(big))  # one-to-one: the same duplicates
+    for batch in small.split(128), big.split(128):
+        assert [len(torch.unique(b)) for b in batch] == [len(torch.unique(b)) for b in small.split(128)]
+    # Negative control: the default hashing (with collisions) does not keep the unique ids per batch.
+    hashed_small, _, _ = make_ctr(3000, 4, 10**5, 1.1, 2.0, seed=3)
+    hashed_big, _, _ = make_ctr(3000, 4, 10**7, 1.1, 2.0, seed=3)
+    assert len(torch.unique(hashed_small)) != len(torch.unique(hashed_big))
+    with pytest.raises(ConfigError, match="values_per_field"):
+        CTRDataModule(rows_per_field=100, values_per_field=101)

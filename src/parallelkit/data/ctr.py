@@ -3,7 +3,10 @@
 Each sample has ``num_fields`` categorical features. In field ``f`` the feature's popularity rank ``r``
 follows a Zipf law (``P(r) ∝ r^-zipf_exponent`` over ``rows_per_field`` values) and its id is a hash
 of ``(f, r)`` into the field's slice ``[f·rows_per_field, (f+1)·rows_per_field)`` of one id space, as
-production systems hash raw feature values. Labels come from a seeded ground truth: a weight per
+production systems hash raw feature values. With ``values_per_field`` set, ranks range over that many
+values instead and are placed into the slice without collisions (a seeded affine permutation): the
+samples, labels and unique ids per batch are then the same whatever the id space (``rows_per_field``),
+which is how the benchmark shows that traffic does not grow with the table. Labels come from a seeded ground truth: a weight per
 feature value (plus a bias and one pairwise interaction of fields 0 and 1), ``P(click) = σ(logit)``.
 The true probabilities of the validation samples give the Bayes ceiling of AUC and log loss, which the
 module reports in ``summary.json`` next to what the model reached.
@@ -42,13 +45,32 @@ def zipf_ranks(u: np.ndarray, n: int, s: float) -> np.ndarray:
     return np.clip(np.floor(r).astype(np.int64) - 1, 0, n - 1)
 
 
-def make_ctr(num_samples: int, num_fields: int, rows_per_field: int, zipf_exponent: float, signal: float, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(ids [N, F] int64, labels [N] float32, true click probabilities [N] float64)``, all from ``seed``."""
+def _injective_offsets(ranks: np.ndarray, rows_per_field: int, seed: int) -> np.ndarray:
+    """``(a_f · r + b_f) mod rows_per_field`` per field ``f``, ``a_f`` coprime with it: distinct ranks, distinct ids."""
+    out = np.empty_like(ranks)
+    for f in range(ranks.shape[1]):
+        a = 1 + int(_hash_unit(seed + 5, np.int64(f)) * (rows_per_field - 1))
+        while math.gcd(a, rows_per_field) != 1:
+            a += 1
+        b = int(_hash_unit(seed + 6, np.int64(f)) * rows_per_field)
+        out[:, f] = ((ranks[:, f].astype(object) * a + b) % rows_per_field).astype(np.int64)  # Python ints: no overflow
+    return out
+
+
+def make_ctr(num_samples: int, num_fields: int, rows_per_field: int, zipf_exponent: float, signal: float, seed: int, values_per_field: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(ids [N, F] int64, labels [N] float32, true click probabilities [N] float64)``, all from ``seed``.
+
+    ``values_per_field``: distinct feature values per field (default: ``rows_per_field``, hashed with
+    collisions); when set, placed into the id space without collisions (see the module docstring).
+    """
     rng = np.random.default_rng(seed)
     fields = np.arange(num_fields, dtype=np.int64)[None, :]
-    ranks = zipf_ranks(rng.random((num_samples, num_fields)), rows_per_field, zipf_exponent)
-    # Hash the rank into the field's slice: popular values are spread over the id space, not at 0..k.
-    offset = (_hash_unit(seed + 1, fields, ranks) * rows_per_field).astype(np.int64)
+    ranks = zipf_ranks(rng.random((num_samples, num_fields)), values_per_field or rows_per_field, zipf_exponent)
+    if values_per_field is None:
+        # Hash the rank into the field's slice: popular values are spread over the id space, not at 0..k.
+        offset = (_hash_unit(seed + 1, fields, ranks) * rows_per_field).astype(np.int64)
+    else:
+        offset = _injective_offsets(ranks, rows_per_field, seed)
     ids = fields * rows_per_field + offset
     # Ground truth: a N(0, signal²/F) weight per (field, value), a bias, one interaction.
     gauss = np.sqrt(-2 * np.log(1 - _hash_unit(seed + 2, fields, ranks))) * np.cos(2 * np.pi * _hash_unit(seed + 3, fields, ranks))
@@ -90,6 +112,9 @@ class CTRDataModule(DataParallelDataModule):
         num_samples: training samples (validation: ``val_samples`` more from the same distribution).
         num_fields: categorical fields per sample.
         rows_per_field: the id space of each field (``10**7`` is fine: ids are hashed, nothing is dense).
+        values_per_field: distinct values per field, placed into the id space without collisions (default:
+            ``rows_per_field`` values, hashed with collisions). The same value gives the same samples for
+            any ``rows_per_field`` at least as large.
         zipf_exponent: the power law of feature popularity (> 0; ~1.1 is typical of ad logs).
         signal: scale of the ground-truth logits (higher: an easier problem, a higher AUC ceiling).
         val_samples: validation samples.
@@ -99,13 +124,15 @@ class CTRDataModule(DataParallelDataModule):
         dm = CTRDataModule(num_samples=20000, num_fields=8, rows_per_field=10**7, global_batch_size=256)
     """
 
-    def __init__(self, num_samples: int = 20000, num_fields: int = 8, rows_per_field: int = 100000, zipf_exponent: float = 1.1, signal: float = 2.0, val_samples: int = 4096, **kwargs: Any) -> None:
+    def __init__(self, num_samples: int = 20000, num_fields: int = 8, rows_per_field: int = 100000, zipf_exponent: float = 1.1, signal: float = 2.0, val_samples: int = 4096, values_per_field: int | None = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         for name, value in (("num_samples", num_samples), ("num_fields", num_fields), ("rows_per_field", rows_per_field), ("val_samples", val_samples)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"data.{name} should be an int greater than 0. Got {value!r}.")
         if not zipf_exponent > 0:
             raise ConfigError(f"data.zipf_exponent should be a number greater than 0. Got {zipf_exponent!r}.")
+        if values_per_field is not None and (not isinstance(values_per_field, int) or isinstance(values_per_field, bool) or not 1 <= values_per_field <= rows_per_field):
+            raise ConfigError(f"data.values_per_field should be an int from 1 to data.rows_per_field ({rows_per_field}), or null. Got {values_per_field!r}.")
         if num_fields * rows_per_field >= 2**62:
             raise ConfigError(f"data.num_fields × data.rows_per_field = {num_fields * rows_per_field} does not fit int64 ids.")
         self.num_samples = num_samples
@@ -114,10 +141,11 @@ class CTRDataModule(DataParallelDataModule):
         self.zipf_exponent = zipf_exponent
         self.signal = signal
         self.val_samples = val_samples
+        self.values_per_field = values_per_field
         self.bayes: dict[str, float] = {}
 
     def build(self) -> None:
-        ids, labels, prob = make_ctr(self.num_samples + self.val_samples, self.num_fields, self.rows_per_field, self.zipf_exponent, self.signal, self.seed)
+        ids, labels, prob = make_ctr(self.num_samples + self.val_samples, self.num_fields, self.rows_per_field, self.zipf_exponent, self.signal, self.seed, self.values_per_field)
         n = self.num_samples
         self.train_set = TensorDataset(ids[:n], labels[:n])
         self.val_set = TensorDataset(ids[n:], labels[n:])
@@ -128,4 +156,4 @@ class CTRDataModule(DataParallelDataModule):
 
     def summary_metrics(self, trainer: Any) -> dict[str, Any]:
         """The ceiling the model's validation AUC / log loss are measured against (same validation set)."""
-        return {"data": {"rows_per_field": self.rows_per_field, "num_fields": self.num_fields, **self.bayes}}
+        return {"data": {"rows_per_field": self.rows_per_field, "values_per_field": self.values_per_field, "num_fields": self.num_fields, **self.bayes}}

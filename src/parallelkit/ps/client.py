@@ -13,6 +13,7 @@ payloads; RPC framing is not counted). Pulls outside training (validation) count
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -59,9 +60,15 @@ class PSClient:
         self.geo_k_steps = geo_k_steps
         self.comm_stats = comm_stats if comm_stats is not None else CommStats()
         self.specs: dict[str, TableSpec] = {}
-        self.steps_done = 0  # optimizer steps this client pushed (sync mode: the version a pull needs)
+        self.steps_done = 0  # optimizer steps of the tables so far (sync mode: the version a pull needs)
+        self.first_step = 0  # steps_done when this process started (a resumed run starts at the checkpoint's step)
         self.touched: dict[str, set[int]] = {}  # every id this worker used in training (memory accounting)
         self.unique_ids_pulled = 0  # Σ over training forwards of U (the bytes formula)
+        # Rows moved by training pulls / pushes and the wall time the worker spent in them (the requests to all
+        # servers in flight at once, so this is the latency of the slowest; a sync pull also waits there until
+        # the other workers' pushes completed the step).
+        self.rows_pulled = self.rows_pushed = 0
+        self.pull_s = self.push_s = 0.0
         self._geo: dict[str, tuple[TableShard, TableShard]] = {}  # geo mode: (local rows, rows at last sync)
         self._dirty: dict[str, set[int]] = {}  # geo mode: rows trained locally since the last sync
 
@@ -82,6 +89,7 @@ class PSClient:
     # ------------------------------------------------------------------ pull / push
     def pull(self, name: str, ids: torch.Tensor, min_version: int | None = None, kind: str = PS) -> torch.Tensor:
         """Rows of ``ids`` (unique, int64) from their servers, all requests in flight at once."""
+        start = time.perf_counter()
         out = torch.empty(len(ids), self.specs[name].dim)
         requests = []
         for k, pos in enumerate(self._partition(ids)):
@@ -94,9 +102,14 @@ class PSClient:
             rows = future.wait()
             out[pos] = rows
             self.comm_stats.record(kind, _nbytes(ids[pos]) + _nbytes(rows))  # ids out + rows back
+        if kind == PS:
+            self.rows_pulled += len(ids)
+            self.pull_s += time.perf_counter() - start
         return out
 
     def push(self, name: str, ids: torch.Tensor, grads: torch.Tensor, lr: float) -> None:
+        """One request per server (all in flight at once); each is applied whole or not at all (see server.py)."""
+        start = time.perf_counter()
         futures = []
         for k, pos in enumerate(self._partition(ids)):
             # Sync mode: every server hears from every worker each step, even with no rows, to complete it.
@@ -105,14 +118,19 @@ class PSClient:
                 futures.append(rpc.rpc_async(self.servers[k], srv.rpc_push, args=(name, self.steps_done, self.worker, part_ids, part_grads, lr)))
                 self.comm_stats.record(PS, _nbytes(part_ids) + _nbytes(part_grads))
         torch.futures.wait_all(futures)
+        self.rows_pushed += len(ids)
+        self.push_s += time.perf_counter() - start
 
     def push_delta(self, name: str, ids: torch.Tensor, delta: torch.Tensor) -> None:
+        start = time.perf_counter()
         futures = []
         for k, pos in enumerate(self._partition(ids)):
             if len(pos):
                 futures.append(rpc.rpc_async(self.servers[k], srv.rpc_push_delta, args=(name, ids[pos], delta[pos].contiguous())))
                 self.comm_stats.record(PS, _nbytes(ids[pos]) + _nbytes(delta[pos]))
         torch.futures.wait_all(futures)
+        self.rows_pushed += len(ids)
+        self.push_s += time.perf_counter() - start
 
     # ------------------------------------------------------------------ what the model and the strategy call
     def lookup(self, name: str, ids: torch.Tensor, training: bool = True) -> torch.Tensor:
@@ -174,16 +192,29 @@ class PSClient:
     def server_peak_rss_bytes(self) -> list[int]:
         return [rpc.rpc_sync(s, srv.rpc_peak_rss_bytes) for s in self.servers]
 
-    def snapshot(self, directory: str) -> list[str]:
-        """Every server writes its tables to ``directory/server{k}.pt`` (sync mode: after this worker's last step)."""
-        paths = [f"{directory}/server{k}.pt" for k in range(len(self.servers))]
-        version = self.steps_done if self.mode == "sync" else None
-        torch.futures.wait_all([rpc.rpc_async(s, srv.rpc_snapshot, args=(p, version)) for s, p in zip(self.servers, paths)])
+    def snapshot(self, directory: str, step: int | None = None) -> list[str]:
+        """Every server writes its tables to ``directory/server{k}-step{step}.pt`` (:func:`~parallelkit.ps.server.snapshot_file`;
+        ``step`` defaults to this worker's steps; sync mode: after that step is complete on every server)."""
+        step = self.steps_done if step is None else step
+        paths = [srv.snapshot_file(directory, k, step) for k in range(len(self.servers))]
+        version = step if self.mode == "sync" else None
+        torch.futures.wait_all([rpc.rpc_async(s, srv.rpc_snapshot, args=(p, version, step)) for s, p in zip(self.servers, paths)])
         return paths
 
-    def restore(self, directory: str) -> None:
-        paths = [f"{directory}/server{k}.pt" for k in range(len(self.servers))]
-        torch.futures.wait_all([rpc.rpc_async(s, srv.rpc_restore, args=(p,)) for s, p in zip(self.servers, paths)])
+    def drop_snapshots(self, directory: str, keep_step: int) -> None:
+        """Every server deletes its snapshots in ``directory`` but the one of ``keep_step``."""
+        torch.futures.wait_all([rpc.rpc_async(s, srv.rpc_drop_snapshots, args=(directory, k, keep_step)) for k, s in enumerate(self.servers)])
+
+    def restore(self, directory: str, step: int | None = None) -> list[dict[str, int]]:
+        """Every server loads its snapshot of ``step`` (default: this worker's steps) from ``directory``; returns their table versions."""
+        step = self.steps_done if step is None else step
+        paths = [srv.snapshot_file(directory, k, step) for k in range(len(self.servers))]
+        futures = [rpc.rpc_async(s, srv.rpc_restore, args=(p, step)) for s, p in zip(self.servers, paths)]
+        return [f.wait() for f in futures]
+
+    def start_at(self, step: int) -> None:
+        """A resumed run: the tables are at optimizer step ``step`` (sync pulls ask for that version on)."""
+        self.steps_done = self.first_step = step
 
     def done(self, failure: str | None = None) -> None:
         """Tell every server this worker has finished (or failed); servers stop once all workers are done."""

@@ -57,16 +57,55 @@ class PSDims(ParallelDims):
         raise NotImplementedError("strategy=ps has no device mesh: workers use a process group of their own")
 
 
-def init_rpc(rank: int, world_size: int, init_method: str, num_threads: int = 16, timeout_s: float = 120.0, interface: str | None = None) -> None:
+def init_rpc(rank: int, world_size: int, init_method: str | None = None, num_threads: int = 16, timeout_s: float = 120.0, interface: str | None = None, local: bool | None = None) -> None:
     """Start this rank's TensorPipe RPC agent (servers and workers alike).
 
-    ``interface``: the network interface TensorPipe listens on; default: loopback when every rank is on
-    this host (``init_method`` on 127.0.0.1/localhost or a file), else TensorPipe's choice.
+    Args:
+        init_method: where the agents find each other: ``None`` (the strategy's choice) = the default
+            process group's store, under a key prefix of its own; else a URL (``file://``, ``tcp://``).
+            Under torchrun the default group's store is the agent's store with a per-attempt prefix
+            (:func:`~parallelkit.distributed.elastic.init_process_group_for_attempt`): a restarted attempt
+            never reads the dead attempt's addresses, and no port has to be picked (a ``tcp://`` URL would
+            not work there at all: with torchrun's agent store every rank connects as a client and nobody
+            hosts it).
+        interface: the network interface TensorPipe listens on; default: loopback when every rank is on
+            this host (``local``; unset: guessed from ``init_method``), else TensorPipe's choice.
     """
+    import torch.distributed as dist
     import torch.distributed.rpc as rpc
 
-    local = init_method.startswith("file://") or "127.0.0.1" in init_method or "localhost" in init_method
+    if init_method is None:
+        _register_default_store_rendezvous()
+        init_method = f"{_DEFAULT_STORE}://"
+        if not dist.is_initialized():
+            raise RuntimeError("init_rpc(init_method=None) rendezvouses on the default process group's store: initialise the group first")
+    if local is None:
+        local = init_method.startswith("file://") or "127.0.0.1" in init_method or "localhost" in init_method
     if interface or (local and "TP_SOCKET_IFNAME" not in os.environ and os.path.exists("/sys/class/net/lo")):
         os.environ["TP_SOCKET_IFNAME"] = interface or "lo"
     options = rpc.TensorPipeRpcBackendOptions(init_method=init_method, num_worker_threads=num_threads, rpc_timeout=timeout_s)
     rpc.init_rpc(rpc_name(rank), rank=rank, world_size=world_size, rpc_backend_options=options)
+
+
+_DEFAULT_STORE = "parallelkit-pg-store"
+
+
+def _default_store_rendezvous(url: str, **kwargs):
+    """A rendezvous handler (``torch.distributed.rendezvous``) that hands out the default group's store."""
+    from urllib.parse import parse_qsl, urlparse
+
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    query = dict(parse_qsl(urlparse(url).query))
+    # Our own prefix: RPC adds rpc_prefix_<n> below it; the default group's keys stay apart.
+    yield dist.PrefixStore("parallelkit_rpc", _get_default_store()), int(query["rank"]), int(query["world_size"])
+
+
+def _register_default_store_rendezvous() -> None:
+    from torch.distributed.rendezvous import register_rendezvous_handler  # the module (torch.distributed.rendezvous is a function)
+
+    try:
+        register_rendezvous_handler(_DEFAULT_STORE, _default_store_rendezvous)
+    except RuntimeError:  # registered already (a second fit in this process)
+        pass

@@ -16,6 +16,7 @@ never waits. Geo mode adds parameter deltas on arrival.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from pathlib import Path
@@ -27,6 +28,16 @@ from parallelkit.ps.table import TableShard, TableSpec
 
 MODES = ("sync", "async", "geo")
 _server: ParameterServer | None = None
+
+
+def snapshot_file(directory: str | os.PathLike, server: int, step: int) -> str:
+    """Server ``server``'s snapshot of the tables after ``step`` optimizer steps, in a checkpoint's ``NAME_ps/``.
+
+    The step is in the name so that a snapshot and the checkpoint of the same step always go together:
+    the servers write theirs first, then the checkpoint is written, then older snapshots are dropped; a job
+    killed anywhere in between still finds the snapshot of the step its last complete checkpoint holds.
+    """
+    return f"{os.fspath(directory)}/server{server}-step{step}.pt"
 
 
 class ParameterServer:
@@ -119,31 +130,49 @@ class ParameterServer:
         with self._cond:
             return {name: {**shard.stats(), "version": self.version[name]} for name, shard in self.tables.items()}
 
-    def snapshot(self, path: str, min_version: int | None = None) -> None:
-        """Write every table (rows, optimizer state, versions) to ``path`` atomically.
+    def snapshot(self, path: str, min_version: int | None = None, step: int | None = None) -> None:
+        """Write every table (rows, optimizer state, versions) to ``path``, atomically.
 
         Sync mode: ``min_version`` waits until every table has applied that many steps, so the snapshot
-        holds a whole step, as the workers' checkpoint of the same step does.
+        holds a whole step, as the workers' checkpoint of the same step does. ``step`` (the workers'
+        optimizer step) is recorded in the file. The file is written under a temporary name, flushed to
+        disk and renamed: a server killed while writing leaves the previous file (or none), never half a one.
         """
         with self._cond:
             for name in self.tables:
                 self._wait_version(name, min_version)
-            state = {"tables": {n: s.state_dict() for n, s in self.tables.items()}, "version": dict(self.version)}
-            tmp = Path(path).with_suffix(".tmp")
-            tmp.parent.mkdir(parents=True, exist_ok=True)
-            torch.save(state, tmp)
-            tmp.replace(path)
+            state = {"tables": {n: s.state_dict() for n, s in self.tables.items()}, "version": dict(self.version), "step": step}
+            target = Path(path)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            tmp = target.with_name(f"{target.name}.{os.getpid()}.tmp")
+            with open(tmp, "wb") as f:
+                torch.save(state, f)
+                f.flush()
+                os.fsync(f.fileno())
+            tmp.replace(target)
 
-    def restore(self, path: str) -> None:
+    def restore(self, path: str, step: int | None = None) -> dict[str, int]:
+        """Load a snapshot (all of it, or nothing on error); ``step``: the one the caller expects it to hold."""
         with self._cond:
             state = torch.load(path, weights_only=False)
+            if step is not None and state.get("step") not in (None, step):
+                raise ValueError(f"snapshot {path} holds step {state['step']}, the checkpoint is of step {step}")
             tables = {n: TableShard.from_state_dict(s) for n, s in state["tables"].items()}
             for name, shard in tables.items():
                 if name in self.tables and self.tables[name].spec != shard.spec:
                     raise ValueError(f"snapshot {path}: table {name!r} is {shard.spec}, the workers asked for {self.tables[name].spec}")
             self.tables = tables
             self.version = dict(state["version"])
+            self._pending.clear()  # pushes of steps after the snapshot are void
             self._cond.notify_all()
+            return dict(self.version)
+
+    def drop_snapshots(self, directory: str, server: int, keep_step: int) -> None:
+        """Delete this server's snapshots in ``directory`` other than the one of ``keep_step`` (and stray temp files)."""
+        keep = Path(snapshot_file(directory, server, keep_step))
+        for old in [*Path(directory).glob(f"server{server}-step*.pt"), *Path(directory).glob(f"server{server}-step*.pt.*.tmp")]:
+            if old != keep:
+                old.unlink(missing_ok=True)
 
     def worker_done(self, worker: int, failure: str | None) -> None:
         with self._cond:
@@ -229,12 +258,16 @@ def rpc_peak_rss_bytes() -> int:
     return peak_rss_bytes()
 
 
-def rpc_snapshot(path: str, min_version: int | None = None) -> None:
-    current().snapshot(path, min_version)
+def rpc_snapshot(path: str, min_version: int | None = None, step: int | None = None) -> None:
+    current().snapshot(path, min_version, step)
 
 
-def rpc_restore(path: str) -> None:
-    current().restore(path)
+def rpc_restore(path: str, step: int | None = None) -> dict[str, int]:
+    return current().restore(path, step)
+
+
+def rpc_drop_snapshots(directory: str, server: int, keep_step: int) -> None:
+    current().drop_snapshots(directory, server, keep_step)
 
 
 def rpc_worker_done(worker: int, failure: str | None = None) -> None:

@@ -153,31 +153,59 @@ class TableShard:
 
     # ------------------------------------------------------------------ updates
     def apply(self, ids: torch.Tensor, grad: torch.Tensor, lr: float) -> None:
-        """One optimizer step for rows ``ids`` (unique) with their summed gradient ``grad``."""
+        """One optimizer step for rows ``ids`` (unique) with their summed gradient ``grad``.
+
+        All new values are computed before any is stored: an update that fails half-way leaves the rows
+        and their optimizer state as they were (a push is applied whole or not at all).
+        """
         spec = self.spec
-        slots = self.slots(ids)
-        w = self.weights[slots]
+        w, old_state, old_steps = self._current(ids)
+        state: list[torch.Tensor] = []
+        step = None
         if spec.weight_decay:
             grad = grad + spec.weight_decay * w
         if spec.optimizer == "sgd":
             w = w - lr * grad
         elif spec.optimizer == "adagrad":
             # torch.optim.Adagrad on a sparse gradient: the accumulator, then grad / (sqrt(acc) + eps).
-            acc = self.state[0][slots] + grad * grad
-            self.state[0][slots] = acc
+            acc = old_state[0] + grad * grad
+            state = [acc]
             w = w - lr * (grad / (acc.sqrt() + spec.eps))
         else:
-            step = self.steps[slots] + 1
-            self.steps[slots] = step
-            m = self.state[0][slots] * spec.beta1 + (1 - spec.beta1) * grad
-            v = self.state[1][slots] * spec.beta2 + (1 - spec.beta2) * grad * grad
-            self.state[0][slots], self.state[1][slots] = m, v
+            step = old_steps + 1
+            m = old_state[0] * spec.beta1 + (1 - spec.beta1) * grad
+            v = old_state[1] * spec.beta2 + (1 - spec.beta2) * grad * grad
+            state = [m, v]
             # torch.optim.SparseAdam's arithmetic (eps outside the bias correction), with the corrections in
             # float64: 1 - 0.999**1 in float32 is off by 5e-5 relative.
             step_f = step.to(torch.float64)[:, None]
             step_size = (lr * (1 - spec.beta2**step_f).sqrt() / (1 - spec.beta1**step_f)).to(grad.dtype)
             w = w - step_size * (m / (v.sqrt() + spec.eps))
+        # Commit: create the rows new to this shard, then plain copies into their storage.
+        slots = self.slots(ids)
+        for k, value in enumerate(state):
+            self.state[k][slots] = value
+        if step is not None:
+            self.steps[slots] = step
         self.weights[slots] = w
+
+    def _current(self, ids: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
+        """Values, optimizer state and step counts of rows ``ids`` as they are or would be created, creating none."""
+        spec = self.spec
+        known = torch.tensor([row_id in self.slot_of for row_id in ids.tolist()], dtype=torch.bool)
+        if bool(known.all()):
+            slots = self.slots(ids)
+            return self.weights[slots], [s[slots] for s in self.state], self.steps[slots]
+        fill = [spec.initial_accumulator_value if k == 0 and spec.optimizer == "adagrad" else 0.0 for k in range(spec.state_slots)]
+        w = self.peek(ids)
+        state = [torch.full((len(ids), spec.dim), f) for f in fill]
+        steps = torch.zeros(len(ids), dtype=torch.int64)
+        if bool(known.any()):
+            slots = self.slots(ids[known])
+            for k, s in enumerate(self.state):
+                state[k][known] = s[slots]
+            steps[known] = self.steps[slots]
+        return w, state, steps
 
     def add(self, ids: torch.Tensor, delta: torch.Tensor) -> None:
         """Add ``delta`` to rows ``ids`` (geo mode: a worker's parameter change since its last sync)."""

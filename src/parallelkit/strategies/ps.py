@@ -22,8 +22,7 @@ or Adam/AdamW (lazy, per row); the current learning rate travels with every push
 from __future__ import annotations
 
 import importlib
-import os
-import socket
+import shutil
 from pathlib import Path
 from typing import Any, Callable
 
@@ -142,19 +141,31 @@ class ParameterServerStrategy(DDPStrategy):
         parameter_server_plan_of(model)
 
     def check_checkpoint(self, path: Any, shapes: dict[str, Any]) -> None:
-        """A checkpoint resumes only with the servers' snapshot beside it, written by as many servers as now."""
+        """A checkpoint resumes only with the servers' snapshot of its step beside it, written by as many servers as now."""
         path = Path(path)
         snapshot = snapshot_dir(path)
-        found = sorted(snapshot.glob("server*.pt")) if snapshot.is_dir() else []
-        if not path.is_file() or not found:
-            raise ConfigError(
-                f"strategy=ps resumes from a checkpoint file with the servers' table snapshot beside it ({snapshot}/server*.pt); "
-                f"{path if not path.is_file() else snapshot} is missing. Pass a checkpoint this strategy wrote, or drop ckpt_path."
+        step = checkpoint_step(path) if path.is_file() else None
+        found = sorted(snapshot.glob(f"server*-step{step}.pt")) if snapshot.is_dir() and step is not None else []
+        if not found:
+            problem = (
+                f"{path} is missing" if not path.is_file()
+                else f"{path} is not a readable checkpoint" if step is None
+                else f"{snapshot} holds no snapshot of step {step}"
             )
-        if len(found) != self.servers:
             raise ConfigError(
-                f"{snapshot} holds the tables of {len(found)} server(s), but strategy.servers={self.servers}: rows are "
-                f"hash-partitioned by the number of servers. Resume with strategy.servers={len(found)}."
+                f"strategy=ps resumes from a checkpoint file with the servers' table snapshot of the same step beside it "
+                f"({ps_server.snapshot_file(snapshot, 'K', step if step is not None else 'N')}); {problem}. "
+                "Pass a checkpoint this strategy wrote, or drop ckpt_path."
+            )
+        servers = {int(f.name.split("-")[0].removeprefix("server")) for f in found}
+        if servers != set(range(self.servers)):
+            advice = (
+                f"Resume with strategy.servers={len(servers)}." if servers == set(range(len(servers)))
+                else "The snapshot is incomplete: resume from an earlier checkpoint."
+            )
+            raise ConfigError(
+                f"{snapshot} holds the step-{step} tables of server(s) {sorted(servers)}, but strategy.servers={self.servers}: rows are "
+                f"hash-partitioned by the number of servers. {advice}"
             )
 
     @property
@@ -173,12 +184,11 @@ class ParameterServerStrategy(DDPStrategy):
         self._parallel_dims = dims = self.plan(self.world_size)
         # Every rank takes part in creating every group, now, while all ranks are still in step.
         self._worker_group = dist.new_group(list(range(dims.workers)), timeout=self._timeout)
-        port = [_free_port() if self.global_rank == 0 else None]
-        dist.broadcast_object_list(port, src=0)
-        address = os.environ.get("MASTER_ADDR", "127.0.0.1")
         if dims.is_server(self.global_rank):  # before the RPC agent: a request may arrive as soon as it runs
             ps_server.start_server(dims.workers, self.mode, wait_timeout_s=self.timeout_s)
-        init_rpc(self.global_rank, self.world_size, f"tcp://{address}:{port[0]}", self.rpc_threads, self.timeout_s, self.listen_interface)
+        # The agents meet on the default group's store (per attempt under torchrun): no port to pick, and a
+        # restarted attempt cannot meet the dead attempt's agents.
+        init_rpc(self.global_rank, self.world_size, None, self.rpc_threads, self.timeout_s, self.listen_interface, local=self.num_nodes == 1)
 
     @property
     def data_parallel_group(self) -> Any:
@@ -217,12 +227,14 @@ class ParameterServerStrategy(DDPStrategy):
         super().on_train_start()
 
     def _restore_tables(self, ckpt_path: str) -> None:
-        """Rank 0 has the servers load the snapshot beside the checkpoint; sync mode goes on from its step."""
+        """Rank 0 has the servers load the snapshot of the checkpoint's step; every worker goes on from that step."""
+        step = self.lightning_module.trainer.global_step  # restored from the checkpoint by now
         if self.global_rank == 0:
-            self.client.restore(str(snapshot_dir(Path(ckpt_path))))
+            versions = self.client.restore(str(snapshot_dir(Path(ckpt_path))), step)
+            if self.mode == "sync" and any(v != step for per_server in versions for v in per_server.values()):
+                raise RuntimeError(f"the servers' snapshot beside {ckpt_path} holds table versions {versions}, the checkpoint step {step}")
         dist.barrier(group=self._worker_group)  # nobody pulls before the rows are back
-        versions = [v["version"] for stats in self.client.server_stats() for v in stats.values()]
-        self.client.steps_done = min(versions) if versions else 0
+        self.client.start_at(step)
 
     def _route_sigterm_broadcast(self, trainer: Any) -> None:
         """Lightning's training loop broadcasts a SIGTERM flag over the *default* group before every batch
@@ -323,11 +335,25 @@ class ParameterServerStrategy(DDPStrategy):
 
     # ---------------------------------------------------------------- checkpoints
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
-        """The workers' checkpoint (dense layers, optimizer, loops) as usual, and beside it the servers' snapshot
-        of the tables (``NAME_ps/server{k}.pt``), written by the servers themselves."""
+        """The servers' snapshot of the tables (``NAME_ps/server{k}-step{N}.pt``, written by the servers themselves),
+        then the workers' checkpoint (dense layers, optimizer, loops) as usual, then older snapshots are dropped.
+
+        In this order a job killed at any point leaves the checkpoint file (written atomically by Lightning)
+        with the snapshot of its own step beside it: the old pair until the new checkpoint is complete.
+        """
+        directory = str(snapshot_dir(Path(filepath)))
+        step = checkpoint.get("global_step", self.client.steps_done if self.client else 0)
+        if self.client is not None and self.is_global_zero:
+            self.client.snapshot(directory, step)
         super().save_checkpoint(checkpoint, filepath, storage_options)
         if self.client is not None and self.is_global_zero:
-            self.client.snapshot(str(snapshot_dir(Path(filepath))))
+            self.client.drop_snapshots(directory, step)
+
+    def remove_checkpoint(self, filepath: Any) -> None:
+        """Lightning drops an old checkpoint (``save_top_k``): its snapshot goes with it."""
+        super().remove_checkpoint(filepath)
+        if self.is_global_zero:
+            shutil.rmtree(snapshot_dir(Path(filepath)), ignore_errors=True)
 
     # ---------------------------------------------------------------- reporting and teardown
     def model_state_bytes(self) -> dict[str, int]:
@@ -338,7 +364,7 @@ class ParameterServerStrategy(DDPStrategy):
         client = self.client
         if client is None:
             return {}
-        steps = max(client.steps_done, 1)
+        steps = max(client.steps_done - client.first_step, 1)  # the steps this process trained
         dim = max(spec.dim for spec in client.specs.values())
         expected = 2 * (8 + 4 * dim) * client.unique_ids_pulled / steps
         measured = self.comm_stats.bytes("ps") / steps
@@ -363,6 +389,13 @@ class ParameterServerStrategy(DDPStrategy):
                 "bytes_ratio": measured / expected if expected else None,
                 "tables": tables,
                 "server_peak_rss_bytes": max(client.server_peak_rss_bytes()),  # summary's peak_rss_bytes: workers
+                # This worker's training pulls / pushes: rows moved per second of its time spent in them.
+                "rows_pulled": client.rows_pulled,
+                "rows_pushed": client.rows_pushed,
+                "pull_s": client.pull_s,
+                "push_s": client.push_s,
+                "pull_rows_per_s": client.rows_pulled / client.pull_s if client.pull_s else None,
+                "push_rows_per_s": client.rows_pushed / client.push_s if client.push_s else None,
             }
         }
 
@@ -386,7 +419,9 @@ def snapshot_dir(checkpoint: Path) -> Path:
     return checkpoint.with_name(checkpoint.name.removesuffix(".ckpt") + "_ps")
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+def checkpoint_step(path: Path) -> int | None:
+    """The optimizer step a Lightning checkpoint file was saved at (``None``: unreadable)."""
+    try:
+        return int(torch.load(path, map_location="cpu", weights_only=False, mmap=True)["global_step"])
+    except Exception:  # noqa: BLE001 - any unreadable file is the same user problem: no snapshot to match
+        return None
