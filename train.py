@@ -1,9 +1,14 @@
 """parallelkit's entry point: ``python train.py strategy=ddp trainer.devices=2 ...`` (see README)."""
 
-import hydra
-from omegaconf import DictConfig
+from parallelkit.local_launch import start_before_hydra
 
-from parallelkit.cli import exit_after, register_resolvers
+if __name__ == "__main__":
+    start_before_hydra()  # `trainer.devices=N` on the command line: ranks 1..N-1 import torch while Hydra composes
+
+import hydra  # noqa: E402
+from omegaconf import DictConfig  # noqa: E402
+
+from parallelkit.cli import exit_after, register_resolvers  # noqa: E402
 
 register_resolvers()
 

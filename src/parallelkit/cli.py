@@ -61,9 +61,12 @@ def run_or_explain(cfg: DictConfig) -> None:
     from parallelkit import local_launch
 
     saved_env = dict(os.environ)
-    early = local_launch.wants_early_launch(cfg)
-    if early:  # before the heavy imports below, so that all ranks import in parallel
+    early = local_launch.wants_early_launch(cfg, already=local_launch.started())
+    if early:  # before the heavy imports below (if train.py has not already started them)
         local_launch.start_local_ranks(early)
+        local_launch.send_config(cfg)
+    elif local_launch.started():  # started before Hydra, but the composed config wants no early ranks
+        local_launch.abort()
     finished = False
     try:
         try:

@@ -2,13 +2,16 @@
 
 Lightning's launcher starts ranks 1..N-1 from inside ``trainer.fit``, when rank 0 has already imported
 torch and Lightning and built the data and model: the ranks start one after the other and the job pays
-the start-up twice (about 3 s on 2 CPU cores). Here rank 0 starts them right after Hydra composed the
-config, so all ranks import torch and Lightning and build the data, model and trainer in parallel. Each child
-then waits on its stdin, just before training, until rank 0 has validated the run (``release_or_wait``):
-bad input still stops the job before any other rank trains or writes anything, with one message from rank 0
-(a child that fails while building defers to rank 0's verdict and leaves quietly when rank 0 stops).
-Lightning sees ``LOCAL_RANK`` in the environment and treats the processes as externally created, as under
-torchrun.
+the start-up twice (about 3 s on 2 CPU cores). Here rank 0 starts them first thing — before it imports
+Hydra when ``trainer.devices=N`` is on the command line (:func:`start_before_hydra`, called by
+``train.py``), else right after Hydra composed the config — as ``python -m parallelkit.local_child``:
+they import torch and Lightning while rank 0 composes, receive the composed config from rank 0
+(:func:`send_config`; they never run Hydra themselves), and build the data, model and trainer in
+parallel with it. Each child then waits on its stdin, just before training, until rank 0 has validated
+the run (:func:`release_or_wait`): bad input still stops the job before any other rank trains or writes
+anything, with one message from rank 0 (a child that fails while building defers to rank 0's verdict
+and leaves quietly when rank 0 stops). Lightning sees ``LOCAL_RANK`` in the environment and treats the
+processes as externally created, as under torchrun.
 
 Used only when the local process count is known from the config alone (``trainer.devices`` an int > 1,
 one node, no torchrun/SLURM); otherwise Lightning's launcher starts the ranks as usual.
@@ -16,6 +19,7 @@ one node, no torchrun/SLURM); otherwise Lightning's launcher starts the ranks as
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -26,6 +30,7 @@ import time
 EARLY_CHILD_ENV = "PARALLELKIT_EARLY_CHILD"
 _GO = b"go\n"
 _children: list[subprocess.Popen] = []
+_env_before: dict[str, str] | None = None  # the environment before start_local_ranks set the launch variables
 
 
 # Hydra overrides that describe the sweep, not the job: a child must not inherit them.
@@ -53,9 +58,13 @@ def hydra_job_command(local_rank: int) -> list[str]:
     return command
 
 
-def wants_early_launch(cfg) -> int:
-    """The number of local processes to start now, or 0 to leave it to Lightning."""
-    if any(key in os.environ for key in ("LOCAL_RANK", "RANK", "TORCHELASTIC_RUN_ID", "SLURM_NTASKS")):
+def wants_early_launch(cfg, already: int = 0) -> int:
+    """The number of local processes to start now, or 0 to leave it to Lightning.
+
+    ``already``: the processes :func:`start_before_hydra` started (its ``LOCAL_RANK=0`` is then this
+    process's own, not a launcher's).
+    """
+    if not already and any(key in os.environ for key in ("LOCAL_RANK", "RANK", "TORCHELASTIC_RUN_ID", "SLURM_NTASKS")):
         return 0  # a child, or an external launcher already started the processes
     trainer = cfg.get("trainer") or {}
     devices, nodes = trainer.get("devices"), trainer.get("num_nodes", 1)
@@ -64,8 +73,46 @@ def wants_early_launch(cfg) -> int:
     return devices
 
 
+# Command-line flags after which Hydra does not run a job (help, config printing, sweeps), or runs many.
+_NO_SINGLE_JOB = ("-m", "--multirun", "-h", "--help", "--hydra-help", "-c", "--cfg", "-i", "--info", "-p", "--package",
+                  "--resolve", "-sc", "--shell-completion", "--experimental-rerun")
+
+
+def devices_on_command_line(argv: list[str]) -> int:
+    """``N`` if ``argv`` runs one Hydra job with ``trainer.devices=N`` (N > 1, one node), else 0."""
+    if any(key in os.environ for key in ("LOCAL_RANK", "RANK", "TORCHELASTIC_RUN_ID", "SLURM_NTASKS")):
+        return 0
+    devices = 0
+    for arg in argv:
+        if arg.split("=", 1)[0] in _NO_SINGLE_JOB:
+            return 0
+        key, _, value = arg.lstrip("+").partition("=")
+        if key == "trainer.num_nodes" and value != "1":
+            return 0
+        if key == "trainer.devices":
+            devices = int(value) if value.isdigit() else 0
+    return devices if devices > 1 else 0
+
+
+def start_before_hydra(argv: list[str] | None = None) -> None:
+    """In ``train.py``, before Hydra is imported: start the local ranks if the command line says how many.
+
+    The composed config confirms the count later (:func:`start_local_ranks`); if it does not agree, these
+    children are stopped unused.
+    """
+    count = devices_on_command_line(sys.argv[1:] if argv is None else argv)
+    if count:
+        start_local_ranks(count)
+
+
 def start_local_ranks(num_processes: int) -> None:
-    """Start ranks 1..N-1 of this Hydra job; they block until :func:`release` or :func:`abort`."""
+    """Start ranks 1..N-1 of this job (once); they wait for :func:`send_config`, then for :func:`release`."""
+    if _children:
+        if len(_children) == num_processes - 1:
+            return  # started before Hydra, for the count the composed config confirms
+        abort()  # started for a count the config does not confirm (they exit unused)
+    global _env_before
+    _env_before = dict(os.environ)
     port = os.environ.get("MASTER_PORT") or str(_free_port())
     os.environ.update(
         MASTER_ADDR=os.environ.get("MASTER_ADDR", "127.0.0.1"),
@@ -76,7 +123,47 @@ def start_local_ranks(num_processes: int) -> None:
     )
     for local_rank in range(1, num_processes):
         env = {**os.environ, "LOCAL_RANK": str(local_rank), EARLY_CHILD_ENV: "1"}
-        _children.append(subprocess.Popen(hydra_job_command(local_rank), env=env, stdin=subprocess.PIPE, cwd=os.getcwd()))
+        command = [sys.executable, "-m", "parallelkit.local_child"]
+        _children.append(subprocess.Popen(command, env=env, stdin=subprocess.PIPE, cwd=os.getcwd()))
+
+
+def started() -> int:
+    """How many processes this job has if its ranks were started early (0: not started)."""
+    return len(_children) + 1 if _children else 0
+
+
+def send_config(cfg) -> None:
+    """Hand the composed config to the waiting children (resolved: they have no Hydra context of their own).
+
+    Each also gets its output directory, its own log file (``<job>_rank<k>.log``, the file Hydra would have
+    given it) and the script's directory (``python train.py`` makes it importable, for ``_target_``\ s there).
+    """
+    from omegaconf import OmegaConf
+
+    config = OmegaConf.to_container(cfg, resolve=True)
+    logging_cfg, out, job = None, None, "train"
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        if HydraConfig.initialized():
+            hc = HydraConfig.get()
+            out, job = hc.runtime.output_dir, hc.job.name
+            logging_cfg = OmegaConf.to_container(hc.job_logging, resolve=True)
+    except ImportError:
+        pass
+    out = out or config.get("output_dir") or os.getcwd()
+    for local_rank, child in enumerate(_children, start=1):
+        if logging_cfg and "file" in logging_cfg.get("handlers", {}):
+            logging_cfg["handlers"]["file"]["filename"] = os.path.join(out, f"{job}_rank{local_rank}.log")
+        payload = {"config": {**config, "output_dir": out}, "logging": logging_cfg,
+                   "script_dir": os.path.dirname(os.path.abspath(sys.argv[0]))}
+        _send(child, json.dumps(payload).encode() + b"\n", close=False)
+
+
+def receive_config() -> dict | None:
+    """In an early-started child: the payload of :func:`send_config`, or None if rank 0 stopped first."""
+    line = sys.stdin.buffer.readline()
+    return json.loads(line) if line.strip() else None
 
 
 def release() -> None:
@@ -117,7 +204,9 @@ def abort() -> None:
 
 
 def finish(timeout_s: float = 60.0) -> None:
-    """Wait for the children of this job, kill what is left, and forget them (a sweep starts anew)."""
+    """Wait for the children of this job, kill what is left, and forget them (a sweep starts anew, and the
+    launch variables this module set are taken back)."""
+    global _env_before
     deadline = time.monotonic() + timeout_s
     for child in _children:
         try:
@@ -126,6 +215,10 @@ def finish(timeout_s: float = 60.0) -> None:
             child.kill()
             child.wait()
     _children.clear()
+    if _env_before is not None:
+        os.environ.clear()
+        os.environ.update(_env_before)
+        _env_before = None
 
 
 def failed_peers(grace_s: float = 2.0) -> list[str]:
@@ -177,13 +270,15 @@ def wait_for_release() -> None:
     _released = True
 
 
-def _send(child: subprocess.Popen, data: bytes) -> None:
+def _send(child: subprocess.Popen, data: bytes, close: bool = True) -> None:
     try:
         if data:
             child.stdin.write(data)
-        child.stdin.close()
-    except (BrokenPipeError, OSError):
-        pass  # the child is gone already; the observer or finish() deals with it
+            child.stdin.flush()
+        if close:
+            child.stdin.close()
+    except (BrokenPipeError, OSError, ValueError):
+        pass  # the child is gone already (or its stdin closed); the observer or finish() deals with it
 
 
 def _free_port() -> int:

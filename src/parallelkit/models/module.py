@@ -62,7 +62,12 @@ class TrainModule(pl.LightningModule):
         if self.step_seed is not None:
             trainer = self.trainer
             dp_rank = (getattr(trainer.strategy, "distributed_sampler_kwargs", None) or {}).get("rank", 0)
-            torch.manual_seed(_mix(self.step_seed, trainer.current_epoch, batch_idx, dp_rank))
+            seed = _mix(self.step_seed, trainer.current_epoch, batch_idx, dp_rank)
+            # The generators themselves, not torch.manual_seed: that one also visits every other device type
+            # behind dynamo's disable wrapper (0.1-0.8 ms a step measured here, on the critical path).
+            torch.default_generator.manual_seed(seed)
+            if torch.cuda.is_available() and torch.cuda.is_initialized():
+                torch.cuda.manual_seed(seed)  # this rank's device
 
     def configure_optimizers(self) -> Any:
         optimizer = self.optimizer_factory(self.parameters())

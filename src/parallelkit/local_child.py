@@ -1,0 +1,40 @@
+"""An early-started local rank (``python -m parallelkit.local_child``, started by :mod:`parallelkit.local_launch`).
+
+It imports torch and Lightning at once, while rank 0 composes the config, then takes the composed config
+from rank 0 on its stdin instead of running Hydra itself, sets up the per-rank log file Hydra would have
+given it, and runs the job like ``train.py`` does.
+"""
+
+from __future__ import annotations
+
+import logging.config
+import os
+import sys
+
+
+def main() -> None:
+    # The heavy imports first: this is what the early start overlaps with rank 0's Hydra composition.
+    import lightning.pytorch  # noqa: F401
+    import torch  # noqa: F401
+
+    from parallelkit import local_launch
+
+    payload = local_launch.receive_config()
+    if payload is None:  # rank 0 stopped (bad input, --help, another world size): leave without a word
+        sys.stdout.flush()
+        os._exit(0)
+    from omegaconf import OmegaConf
+
+    from parallelkit.cli import exit_after, run_or_explain
+
+    sys.path.insert(0, payload["script_dir"])  # as `python train.py` does: _target_s next to the script import
+    if payload.get("logging"):
+        os.makedirs(os.path.dirname(payload["logging"]["handlers"]["file"]["filename"]), exist_ok=True)
+        logging.config.dictConfig(payload["logging"])
+    cfg = OmegaConf.create(payload["config"])
+    OmegaConf.set_struct(cfg, True)  # as Hydra composes it: a misspelt key is an error, not None
+    exit_after(lambda: run_or_explain(cfg))
+
+
+if __name__ == "__main__":
+    main()
