@@ -7,7 +7,7 @@ sorts each sample into a category by the innermost frame it recognises. Output: 
 step per category (samples / rate / steps), and the other threads' CPU over the whole run per step.
 
     pip install py-spy          # or set PY_SPY=/path/to/py-spy
-    python bench/profile_steps.py --size tiny --steps 600
+    python bench/profile_steps.py --steps 400       # the overhead bench's GPT and contenders
 
 A diagnostic for the overhead analysis; sampling error is about ±sqrt(samples).
 """
@@ -26,7 +26,6 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import ablate  # noqa: E402
 import overhead  # noqa: E402
 
 # Innermost match wins; order matters only within one frame.
@@ -41,7 +40,8 @@ CATEGORIES = [
     ("Lightning: self.log / logger connector", r"_LoggerConnector|_ResultCollection|LightningModule\.log |_ResultMetric"),
     ("parallelkit: RunSummary", r"RunSummary"),
     ("Lightning: ModelCheckpoint", r"ModelCheckpoint"),
-    ("LR scheduler", r"update_lr_schedulers|lr_scheduler\.py"),
+    ("LR scheduler", r"update_lr_schedulers|_update_learning_rates"),
+    ("parallelkit: per-batch reseed (exact resume)", r"TrainModule\.on_train_batch_start"),
 ]
 OTHER = "Lightning: loop, hooks, closures (rest)"
 LIGHTNING_REGION = "_TrainingEpochLoop.advance ("
@@ -102,28 +102,25 @@ def categorize(raw: Path, steps: int, rate: float) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--size", choices=sorted(ablate.SIZES), default="tiny")
-    p.add_argument("--steps", type=int, default=600)
+    p.add_argument("--steps", type=int, default=400)
     p.add_argument("--rate", type=int, default=250, help="samples per second")
-    p.add_argument("--variants", default="loop,pk,stock,stock_bare")
+    p.add_argument("--contenders", default="ddp_loop,parallelkit,lightning", help="of bench/overhead.py's")
     p.add_argument("--py-spy", default=os.environ.get("PY_SPY") or shutil.which("py-spy"))
     p.add_argument("--out", default=str(overhead.ROOT / "bench" / "results" / "profile_steps.json"))
     ns = p.parse_args(argv)
     if not ns.py_spy:
         p.error("py-spy not found: pip install py-spy, or pass --py-spy / set PY_SPY")
-    args = overhead.parse_args(["--rounds", "1", "--steps", str(ns.steps), *ablate.size_args(ns.size)])
+    args = overhead.parse_args(["--rounds", "1", "--steps", str(ns.steps)])
     run_root = Path(tempfile.mkdtemp(prefix="pk_profile_"))
+    commands = overhead.commands(args, run_root)
     results = {}
-    for name in [v.strip() for v in ns.variants.split(",") if v.strip()]:
-        contender, _, early = ablate.VARIANTS[name]
-        if early:
-            p.error(f"{name}: py-spy follows the launching process only; profile a variant without early launch")
-        cmd = ablate.variant_command(name, args, run_root / name, probe=False)
+    for name in [v.strip() for v in ns.contenders.split(",") if v.strip()]:
         raw = run_root / f"{name}.raw"
+        # Rank 0 is the launching process in all three (parallelkit's rank 1 is a child py-spy does not follow).
         spy = [ns.py_spy, "record", "-r", str(ns.rate), "--nonblocking", "-t", "-f", "raw", "-o", str(raw), "--"]
         with open(run_root / f"{name}.log", "wb") as log:
-            subprocess.run(spy + cmd, cwd=overhead.ROOT, stdout=log, stderr=subprocess.STDOUT, check=True)
-        summary = json.loads((run_root / name / contender / "summary.json").read_text())
+            subprocess.run(spy + commands[name], cwd=overhead.ROOT, stdout=log, stderr=subprocess.STDOUT, check=True)
+        summary = json.loads((run_root / name / "summary.json").read_text())
         results[name] = res = categorize(raw, len(summary["train_loss"]), ns.rate)
         res["step_time_ms_median"] = summary["step_time_s_median"] * 1e3
         print(f"\n== {name}: step {res['step_time_ms_median']:.2f} ms (median wall), rank-0 main thread CPU in steps "

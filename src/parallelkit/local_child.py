@@ -12,12 +12,19 @@ import os
 import sys
 
 
-def main() -> None:
+def main(forked: bool = False) -> None:
     # The heavy imports first: this is what the early start overlaps with rank 0's Hydra composition.
     import lightning.pytorch  # noqa: F401
     import torch  # noqa: F401
 
     from parallelkit import local_launch
+
+    if forked:  # forked from a warm launcher: what was read from the environment at import time is rank 0's
+        from lightning.fabric.utilities.rank_zero import rank_zero_only
+        from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+
+        rank_zero_only.rank = utils_rank_zero_only.rank = int(os.environ["LOCAL_RANK"])
+        local_launch._PARENT_PID = os.getppid()
 
     payload = local_launch.receive_config()
     if payload is None:  # rank 0 stopped (bad input, --help, another world size): leave without a word

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -28,6 +29,7 @@ import threading
 import time
 
 EARLY_CHILD_ENV = "PARALLELKIT_EARLY_CHILD"
+FORK_ENV = "PARALLELKIT_FORK_LOCAL_RANKS"  # fork the ranks instead of starting them (see _ForkedRank)
 _GO = b"go\n"
 _children: list[subprocess.Popen] = []
 _env_before: dict[str, str] | None = None  # the environment before start_local_ranks set the launch variables
@@ -121,10 +123,64 @@ def start_local_ranks(num_processes: int) -> None:
         WORLD_SIZE=str(num_processes),
         LOCAL_RANK="0",
     )
+    fork = os.environ.get(FORK_ENV) == "1" and not _trained  # a process that has trained (threads) is not forked
     for local_rank in range(1, num_processes):
         env = {**os.environ, "LOCAL_RANK": str(local_rank), EARLY_CHILD_ENV: "1"}
-        command = [sys.executable, "-m", "parallelkit.local_child"]
-        _children.append(subprocess.Popen(command, env=env, stdin=subprocess.PIPE, cwd=os.getcwd()))
+        if fork:
+            _children.append(_ForkedRank(env))
+        else:
+            # The job's own command line after "--": ignored by the child, but `ps` shows whose rank it is.
+            command = [sys.executable, "-m", "parallelkit.local_child", "--", *sys.argv]
+            _children.append(subprocess.Popen(command, env=env, stdin=subprocess.PIPE, cwd=os.getcwd()))
+
+
+class _ForkedRank:
+    """A local rank forked from this process (``PARALLELKIT_FORK_LOCAL_RANKS=1``), with the ``Popen`` calls
+    this module uses (``stdin``, ``poll``, ``wait``, ``kill``).
+
+    Only for a launching process that has imported torch and Lightning but run nothing yet (no threads, no
+    process group): the test suite's warm launcher, which saves every job's ranks their imports.
+    """
+
+    def __init__(self, env: dict[str, str]) -> None:
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the rank
+            try:
+                os.close(write)
+                for sibling in _children:  # the write ends of earlier ranks' stdin: they must see EOF from rank 0 only
+                    sibling.stdin.close()
+                _children.clear()
+                os.dup2(read, 0)
+                os.close(read)
+                os.environ.clear()
+                os.environ.update(env)
+                from parallelkit import local_child
+
+                local_child.main(forked=True)
+            finally:
+                os._exit(1)
+        os.close(read)
+        self.pid, self.stdin, self.returncode = pid, os.fdopen(write, "wb"), None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(f"local rank (pid {self.pid})", timeout)
+            time.sleep(0.02)
+        return self.returncode
+
+    def kill(self) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, signal.SIGKILL)
 
 
 def started() -> int:
@@ -246,8 +302,13 @@ _PARENT_PID = os.getppid()
 _released = False
 
 
+_trained = False  # this process has started training once (a sweep's later jobs): never fork it again
+
+
 def release_or_wait() -> None:
     """Just before training: rank 0 lets the waiting ranks go; an early-started child waits for that go."""
+    global _trained
+    _trained = True
     if os.environ.get(EARLY_CHILD_ENV) == "1":
         wait_for_release()
     else:

@@ -77,7 +77,7 @@ def test_dead_rank_stops_the_job_fast(dead_rank, tmp_path):
     run_dir = tmp_path / "run"
     env = {"PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
     start = time.monotonic()
-    proc = train([*TINY, "strategy=ddp", "trainer.devices=2", f"strategy.timeout_s={timeout_s}", *kill, f"hydra.run.dir={run_dir}"], cwd=tmp_path, timeout=2 * timeout_s + 60, env=env)
+    proc = train([*TINY, "strategy=ddp", "trainer.devices=2", f"strategy.timeout_s={timeout_s}", *kill, f"hydra.run.dir={run_dir}"], cwd=tmp_path, timeout=2 * timeout_s + 60, env=env, cold=True)
     elapsed = time.monotonic() - start
     assert proc.returncode != 0, proc.stderr[-3000:]
     assert f"killing rank {dead_rank}" in proc.stderr + proc.stdout
@@ -87,7 +87,7 @@ def test_dead_rank_stops_the_job_fast(dead_rank, tmp_path):
     assert elapsed < timeout_s + 30, f"the job took {elapsed:.0f} s to stop"
     assert not (run_dir / "summary.json").exists()
     time.sleep(1)
-    leftovers = subprocess.run(["pgrep", "-f", f"hydra.run.dir=\"{run_dir}\""], capture_output=True, text=True).stdout.split()
+    leftovers = subprocess.run(["pgrep", "-f", str(run_dir)], capture_output=True, text=True).stdout.split()
     assert not leftovers, f"processes left behind: {leftovers}"
 
 
@@ -98,7 +98,7 @@ def test_sigterm_stops_every_rank_with_a_failure_code(rank, tmp_path):
     timeout_s = 60
     env = {"PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
     start = time.monotonic()
-    proc = train([*TINY, "strategy=ddp", "trainer.devices=2", "trainer.max_steps=400", f"strategy.timeout_s={timeout_s}", *term, f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path, timeout=2 * timeout_s + 60, env=env)
+    proc = train([*TINY, "strategy=ddp", "trainer.devices=2", "trainer.max_steps=400", f"strategy.timeout_s={timeout_s}", *term, f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path, timeout=2 * timeout_s + 60, env=env, cold=True)
     assert f"SIGTERM to rank {rank}" in proc.stderr
     assert proc.returncode != 0, proc.stderr[-3000:]
     assert time.monotonic() - start < timeout_s, "the job waited for the collective timeout instead of stopping"
@@ -113,7 +113,7 @@ def test_stuck_rank_is_named_within_the_timeout(tmp_path):
     run_dir = tmp_path / "run"
     env = {"PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
     start = time.monotonic()
-    proc = train([*TINY, "strategy=ddp", "trainer.devices=2", f"strategy.timeout_s={timeout_s}", *stall, f"hydra.run.dir={run_dir}"], cwd=tmp_path, timeout=180, env=env)
+    proc = train([*TINY, "strategy=ddp", "trainer.devices=2", f"strategy.timeout_s={timeout_s}", *stall, f"hydra.run.dir={run_dir}"], cwd=tmp_path, timeout=180, env=env, cold=True)
     elapsed = time.monotonic() - start
     assert "stalling rank 1" in proc.stderr
     assert proc.returncode == 3, proc.stderr[-3000:]
@@ -122,5 +122,5 @@ def test_stuck_rank_is_named_within_the_timeout(tmp_path):
     assert elapsed < 90, f"the job took {elapsed:.0f} s to stop"
     assert not (run_dir / "summary.json").exists()
     time.sleep(1)
-    leftovers = subprocess.run(["pgrep", "-f", f"hydra.run.dir=\"{run_dir}\""], capture_output=True, text=True).stdout.split()
+    leftovers = subprocess.run(["pgrep", "-f", str(run_dir)], capture_output=True, text=True).stdout.split()
     assert not leftovers, f"processes left behind: {leftovers}"

@@ -108,14 +108,14 @@ def test_a_dead_worker_stops_the_whole_job(tmp_path):
     kill = ["+callbacks.kill._target_=fault_injection.KillRank", "+callbacks.kill.rank=1", "+callbacks.kill.at_step=5"]
     run_dir = tmp_path / "run"
     start = time.monotonic()
-    proc = train([*CTR, *PS, "strategy.timeout_s=60", *kill, f"hydra.run.dir={run_dir}"], cwd=tmp_path, timeout=180, env=env)
+    proc = train([*CTR, *PS, "strategy.timeout_s=60", *kill, f"hydra.run.dir={run_dir}"], cwd=tmp_path, timeout=180, env=env, cold=True)
     elapsed = time.monotonic() - start
     assert proc.returncode != 0 and "killing rank 1" in proc.stderr + proc.stdout
     assert "rank 1 exited with code 13" in proc.stderr, proc.stderr[-3000:]
     assert elapsed < 60 + 30, f"the job took {elapsed:.0f} s to stop"
     assert not (run_dir / "summary.json").exists()
     time.sleep(1)
-    leftovers = subprocess.run(["pgrep", "-f", f"hydra.run.dir=\"{run_dir}\""], capture_output=True, text=True).stdout.split()
+    leftovers = subprocess.run(["pgrep", "-f", str(run_dir)], capture_output=True, text=True).stdout.split()
     assert not leftovers, f"processes left behind: {leftovers}"
 
 

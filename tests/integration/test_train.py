@@ -16,6 +16,9 @@ from pathlib import Path
 
 import pytest
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from warm_launcher import run_train  # noqa: E402
+
 REPO = Path(__file__).resolve().parents[2]
 # A tiny GPT for 20 steps: seconds per run, yet every part of the stack is exercised.
 TINY = [
@@ -32,17 +35,18 @@ TINY = [
 REL_TOL = 1e-5
 
 
-def train(args: list[str], cwd: Path, timeout: float = 240, env: dict | None = None) -> subprocess.CompletedProcess:
-    """Run train.py to completion (killed after ``timeout`` seconds: a hang is a failure, not a wait)."""
+def train(args: list[str], cwd: Path, timeout: float = 240, env: dict | None = None, cold: bool = False) -> subprocess.CompletedProcess:
+    """Run train.py to completion (killed after ``timeout`` seconds: a hang is a failure, not a wait).
+
+    From the warm launcher (``warm_launcher.py``: the job and its ranks forked from a process that has
+    imported torch and Lightning), or as a plain subprocess with ``cold=True``.
+    """
     full_env = {**os.environ, "HYDRA_FULL_ERROR": "0", **(env or {})}
-    return subprocess.run(
-        [sys.executable, str(REPO / "train.py"), *args],
-        cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout,
-    )
+    return run_train(args, cwd, full_env, timeout, cold=cold)
 
 
-def run_ok(args: list[str], run_dir: Path, env: dict | None = None) -> dict:
-    proc = train([*args, f"hydra.run.dir={run_dir}"], cwd=run_dir.parent, env=env)
+def run_ok(args: list[str], run_dir: Path, env: dict | None = None, cold: bool = False) -> dict:
+    proc = train([*args, f"hydra.run.dir={run_dir}"], cwd=run_dir.parent, env=env, cold=cold)
     assert proc.returncode == 0, f"train.py {' '.join(args)} exited {proc.returncode}\n{proc.stderr[-4000:]}"
     return json.loads((run_dir / "summary.json").read_text())
 
@@ -58,7 +62,8 @@ def single_reference(tmp_path_factory) -> dict:
 
 
 def test_ddp_reproduces_single_process_loss(single_reference, tmp_path):
-    ddp = run_ok([*TINY, "strategy=ddp", "trainer.devices=2"], tmp_path / "run")
+    # cold: a real `python train.py` whose rank 1 is started and handed the config as a user's run does.
+    ddp = run_ok([*TINY, "strategy=ddp", "trainer.devices=2"], tmp_path / "run", cold=True)
 
     assert ddp["strategy"] == "ddp" and ddp["world_size"] == 2
     assert ddp["dims"] == {"dp": 2, "sharding": 1, "tp": 1, "pp": 1, "ep": 1}
@@ -109,7 +114,7 @@ def test_negative_control_different_seed_breaks_parity(single_reference, tmp_pat
 def test_multirun_sweep_writes_one_summary_per_job(tmp_path):
     sweep = tmp_path / "sweep"
     args = ["-m", *TINY, "strategy=single,ddp", f"hydra.sweep.dir={sweep}"]
-    proc = train(args, cwd=tmp_path, timeout=300)
+    proc = train(args, cwd=tmp_path, timeout=300, cold=True)
     assert proc.returncode == 0, proc.stderr[-4000:]
     summaries = {}
     for path in sorted(sweep.glob("*/summary.json")):
@@ -127,7 +132,7 @@ def test_multirun_with_early_started_ranks(single_reference, tmp_path):
     """With an integer trainer.devices the ranks start before the heavy imports (parallelkit.local_launch);
     each job of a sweep must start its own ranks from a clean environment."""
     sweep = tmp_path / "sweep"
-    proc = train(["-m", *TINY, "strategy=ddp,ddp_fp16", "trainer.devices=2", f"hydra.sweep.dir={sweep}"], cwd=tmp_path, timeout=300)
+    proc = train(["-m", *TINY, "strategy=ddp,ddp_fp16", "trainer.devices=2", f"hydra.sweep.dir={sweep}"], cwd=tmp_path, timeout=300, cold=True)
     assert proc.returncode == 0, proc.stderr[-4000:]
     summaries = {s["comm"]["by_kind"]["grad_allreduce"]["bytes_per_step"]: s for s in (json.loads(p.read_text()) for p in sweep.glob("*/summary.json"))}
     assert len(summaries) == 2  # fp32 and fp16 gradients: two different jobs, both on 2 ranks
@@ -139,7 +144,7 @@ def test_multirun_with_early_started_ranks(single_reference, tmp_path):
 
 def test_default_run_dir_is_deterministic(tmp_path):
     """Without hydra.run.dir, every rank (and a rerun) composes the same directory from the overrides."""
-    proc = train([*TINY, "strategy=ddp", "trainer.devices=2", "trainer.max_steps=3"], cwd=tmp_path)
+    proc = train([*TINY, "strategy=ddp", "trainer.devices=2", "trainer.max_steps=3"], cwd=tmp_path, cold=True)
     assert proc.returncode == 0, proc.stderr[-4000:]
     runs = list((tmp_path / "outputs").glob("*/summary.json"))
     assert len(runs) == 1, runs
