@@ -24,7 +24,9 @@ divisor of the per-rank batch up to ``max_microbatches``.
   keeps only each layer's input ``4·s·b·h`` (+ one layer's full set). Layers held = the rank's stage; the
   micro-batches in flight = ``min(m, pp − pp_rank)`` under 1F1B, ``m`` under GPipe, 1 without a pipeline.
   The last stage adds the logits and their gradient, ``2·4·b·s·V/t`` per micro-batch in flight.
-- stage 3 adds one gathered block (parameters + gradients, the largest block of the stage, ÷ tp).
+- stage 3 adds one gathered block (parameters + gradients, the largest block of the stage, ÷ tp); in a
+  pipeline FSDP2 reduces gradients only after the last micro-batch, so the stage's whole gradients, and
+  (hybrid4d's default there: no resharding between micro-batches) its whole parameters.
 
 **Step time** (seconds) = compute / (1 − bubble) + Σ over axes (bytes / bandwidth + collectives × latency):
 
@@ -211,12 +213,13 @@ def estimate(candidate: Candidate, model: Any, dims: ParallelDims, hw: Hardware,
     """Fill in ``candidate``'s memory, communication and time estimates (the cost model of the module docstring)."""
     from parallelkit.distributed.grad_sync import DEFAULT_BUCKET_MB
     from parallelkit.plan import plan_options, rank_comm_bytes, rank_state_bytes
+    from parallelkit.strategies.hybrid4d import resolve_reshard_after_forward
 
     shape, m = workload["shape"], candidate.microbatches
     rank_batch = workload["global_batch_size"] // dims.data_parallel_size
     options = plan_options(model, dims, shape=shape, rank_batch=rank_batch, slots=workload["slots"],
                            zero_stage=candidate.zero_stage, schedule=workload["schedule"], cache=cache,
-                           reshard_after_forward=workload["reshard_after_forward"],
+                           reshard_after_forward=resolve_reshard_after_forward(workload["reshard_after_forward"], dims.pp),
                            sequence_parallel=workload["sequence_parallel"])
     block_bytes = cache.setdefault("block_bytes", _largest_block_bytes(model))
     worst_memory: dict[str, float] = {"total": -1.0}
@@ -228,7 +231,12 @@ def estimate(candidate: Candidate, model: Any, dims: ParallelDims, hw: Hardware,
         in_flight = 1 if dims.pp == 1 else (m if workload["schedule"] == "gpipe" else min(m, dims.pp - r))
         act = activation_bytes(shape, rank_batch // m, dims.tp, options["layers_per_pp_rank"][r], in_flight,
                                r == dims.pp - 1, workload["recompute"])
-        gathered = 2 * block_bytes / dims.tp if options["zero_stage"] >= 3 else 0.0
+        gathered = 0.0
+        if options["zero_stage"] >= 3 and dims.pp > 1:  # no reduce-scatter before the last micro-batch: whole
+            # gradients of the stage, and its whole parameters too unless each forward reshards
+            gathered = local + (block_bytes / dims.tp if options["reshard_after_forward"] else local)
+        elif options["zero_stage"] >= 3:
+            gathered = 2 * block_bytes / dims.tp
         mem = {"state": float(sum(state.values())), "activations": act, "gathered": gathered}
         mem["total"] = mem["state"] + act + gathered
         if mem["total"] > worst_memory["total"]:
@@ -292,7 +300,7 @@ def choose_layout(cfg: Any, world_size: int, hardware: Hardware, *, max_microbat
     workload = {"shape": model_shape(model, datamodule), "global_batch_size": datamodule.plan.global_batch_size,
                 "slots": optimizer_slots(cfg.optim.optimizer._target_), "schedule": kwargs.get("schedule", "1f1b"),
                 "recompute": cfg.get("recompute", "none"), "num_params": sum(p.numel() for p in model.parameters()),
-                "reshard_after_forward": kwargs.get("reshard_after_forward", True),
+                "reshard_after_forward": kwargs.get("reshard_after_forward"),  # None: hybrid4d's default per layout
                 "sequence_parallel": kwargs.get("sequence_parallel", False)}
     mesh_order = tuple(kwargs.get("mesh_order", DEFAULT_MESH_ORDER))
     cache: dict = {}

@@ -138,6 +138,13 @@ def apply_data_parallel(strategy: Any, modules: list[torch.nn.Module]) -> None:
         )
 
 
+def resolve_reshard_after_forward(value: bool | None, pp: int) -> bool:
+    """FSDP2's ``reshard_after_forward`` for the sharding step: ``value``, or by default ZeRO-3 (free the gathered
+    parameters after forward) without a pipeline, and keep them through the step with one, as torchtitan
+    does: a pipeline runs a stage's forward once per micro-batch, and resharding would all-gather it M times."""
+    return (pp == 1) if value is None else bool(value)
+
+
 class HybridParts:
     """What the two hybrid strategies share: their options, the model checks before launch, EP bookkeeping.
 
@@ -147,10 +154,10 @@ class HybridParts:
     ep_handle: ExpertParallelHandle | None = None
     expert_dp_group: Any = None
 
-    def _init_hybrid(self, sequence_parallel: bool, per_block: bool, reshard_after_forward: bool) -> None:
+    def _init_hybrid(self, sequence_parallel: bool, per_block: bool, reshard_after_forward: bool | None) -> None:
         self.sequence_parallel = sequence_parallel
         self.per_block = per_block
-        self.reshard_after_forward = reshard_after_forward
+        self.reshard_after_forward = resolve_reshard_after_forward(reshard_after_forward, self._degrees[PP])
         self.tensor_parallel = None
         self.ep_handle = None
 
@@ -216,7 +223,7 @@ class Hybrid4DStrategy(HybridParts, TensorParallelSteps, MeshStrategy):
     capabilities = frozenset({LIGHTNING_BACKWARD})
 
     def __init__(self, dp: int = -1, sharding: int = 1, tp: int = 2, ep: int = 1, *, sequence_parallel: bool = False,
-                 per_block: bool = True, reshard_after_forward: bool = True, **kwargs: Any) -> None:
+                 per_block: bool = True, reshard_after_forward: bool | None = None, **kwargs: Any) -> None:
         check_hybrid_degrees(dp, sharding, tp, 1, ep, sequence_parallel)
         super().__init__(dp=dp, sharding=sharding, tp=tp, pp=1, ep=ep, **kwargs)
         self._init_hybrid(sequence_parallel, per_block, reshard_after_forward)
@@ -236,7 +243,7 @@ class Hybrid4DPipelineStrategy(HybridParts, TensorParallelSteps, PipelineStrateg
     strategy_name = STRATEGY_NAME
 
     def __init__(self, dp: int = -1, sharding: int = 1, tp: int = 2, pp: int = 2, ep: int = 1, *,
-                 sequence_parallel: bool = False, per_block: bool = True, reshard_after_forward: bool = True,
+                 sequence_parallel: bool = False, per_block: bool = True, reshard_after_forward: bool | None = None,
                  **kwargs: Any) -> None:
         check_hybrid_degrees(dp, sharding, tp, pp, ep, sequence_parallel)
         super().__init__(pp=pp, dp=dp, **kwargs)
@@ -266,7 +273,7 @@ def hybrid4d(
     mesh_order: tuple[str, ...] | list[str] = DEFAULT_MESH_ORDER,
     sequence_parallel: bool = False,
     per_block: bool = True,
-    reshard_after_forward: bool = True,
+    reshard_after_forward: bool | None = None,
     microbatches: int = 4,
     schedule: str = "1f1b",
     virtual_stages: int | None = None,
@@ -282,7 +289,9 @@ def hybrid4d(
         dp / sharding / tp / pp / ep: the degrees (:class:`ParallelDims`); the mesh is ``mesh_order``
             (default ``pp, dp, sharding, tp``: tp innermost = adjacent ranks, pp outermost).
         sequence_parallel: TP also splits LayerNorm/dropout regions along the sequence.
-        per_block / reshard_after_forward: FSDP2 options when ``sharding > 1`` (see ``strategy=zero``).
+        per_block / reshard_after_forward: FSDP2 options when ``sharding > 1`` (see ``strategy=zero``);
+            ``reshard_after_forward=None``: ZeRO-3 without a pipeline, kept gathered through the step with one
+            (:func:`resolve_reshard_after_forward`).
         microbatches / schedule / virtual_stages / split / trace: pipeline options when ``pp > 1``.
     """
     common = dict(dp=dp, sharding=sharding, tp=tp, ep=ep, mesh_order=mesh_order, sequence_parallel=sequence_parallel,
