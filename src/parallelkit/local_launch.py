@@ -33,6 +33,10 @@ FORK_ENV = "PARALLELKIT_FORK_LOCAL_RANKS"  # fork the ranks instead of starting 
 _GO = b"go\n"
 _children: list[subprocess.Popen] = []
 _env_before: dict[str, str] | None = None  # the environment before start_local_ranks set the launch variables
+_store = None  # the job's TCPStore server, hosted by rank 0 from release() to finish()
+_trained = False  # this process has started training once (a sweep's later jobs): never fork it again
+_released = False  # an early-started child has had rank 0's go
+_PARENT_PID = os.getppid()  # an early-started child's rank 0 (a forked rank resets it)
 
 
 # Hydra overrides that describe the sweep, not the job: a child must not inherit them.
@@ -254,9 +258,6 @@ def _observe(children: list[subprocess.Popen], period_s: float = 0.5, grace_s: f
             os._exit(3)
 
 
-_store = None  # the job's TCPStore server, hosted by rank 0 from release() to finish()
-
-
 def _host_store() -> None:
     """Start the rendezvous store's server now, before the other ranks are let go.
 
@@ -322,15 +323,6 @@ def failed_peers(grace_s: float = 2.0) -> list[str]:
         if failed or time.monotonic() > deadline or not _children:
             return failed
         time.sleep(0.1)
-
-
-_PARENT_PID = os.getppid()
-
-
-_released = False
-
-
-_trained = False  # this process has started training once (a sweep's later jobs): never fork it again
 
 
 def release_or_wait() -> None:
