@@ -31,11 +31,13 @@ import time
 EARLY_CHILD_ENV = "PARALLELKIT_EARLY_CHILD"
 FORK_ENV = "PARALLELKIT_FORK_LOCAL_RANKS"  # fork the ranks instead of starting them (see _ForkedRank)
 _GO = b"go\n"
+_STOP = b"stop\n"  # rank 0 ends the job early (abort); a bare end of stdin means rank 0 died
 _children: list[subprocess.Popen] = []
 _env_before: dict[str, str] | None = None  # the environment before start_local_ranks set the launch variables
 _store = None  # the job's TCPStore server, hosted by rank 0 from release() to finish()
 _trained = False  # this process has started training once (a sweep's later jobs): never fork it again
 _released = False  # an early-started child has had rank 0's go
+_going: threading.Event | None = None  # set from release() to finish(): the children are training with rank 0
 _PARENT_PID = os.getppid()  # an early-started child's rank 0 (a forked rank resets it)
 
 
@@ -228,16 +230,19 @@ def receive_config() -> dict | None:
 
 def release() -> None:
     """Rank 0 validated the run: let the waiting ranks go, and watch them from now on."""
+    global _going
     if _children:
         _host_store()
     for child in _children:
-        _send(child, _GO)
+        _send(child, _GO, close=False)  # stdin stays open: its end tells a child that rank 0 left (_watch_rank0)
     if _children:
+        _going = threading.Event()
+        _going.set()
         # Ends the whole job if a child fails (like Lightning's own observer), but names the rank first.
-        threading.Thread(target=_observe, args=(list(_children),), daemon=True, name="parallelkit-rank-observer").start()
+        threading.Thread(target=_observe, args=(list(_children), _going), daemon=True, name="parallelkit-rank-observer").start()
 
 
-def _observe(children: list[subprocess.Popen], period_s: float = 0.5, grace_s: float = 5.0) -> None:
+def _observe(children: list[subprocess.Popen], going: threading.Event, period_s: float = 0.5, grace_s: float = 5.0) -> None:
     """Rank 0's watch over the ranks it started: if one dies, say which, then stop the others and itself.
 
     The grace period lets rank 0's own failure path (a collective that failed because the peer is gone)
@@ -245,12 +250,16 @@ def _observe(children: list[subprocess.Popen], period_s: float = 0.5, grace_s: f
     """
     while True:
         time.sleep(period_s)
+        if not going.is_set():
+            return  # rank 0 is finishing the job itself (finish): what it kills is not a failure to report
         codes = [child.poll() for child in children]
         if all(code == 0 for code in codes):
             return
         failed = [f"rank {rank} exited with code {code}" for rank, code in enumerate(codes, start=1) if code not in (None, 0)]
         if failed:
             time.sleep(grace_s)
+            if not going.is_set():
+                return
             print(f"parallelkit: error: {'; '.join(failed)}; stopping the other ranks.", file=sys.stderr, flush=True)
             for child in children:
                 if child.poll() is None:
@@ -280,17 +289,28 @@ def _host_store() -> None:
         _store = None
 
 
-def abort() -> None:
-    """Rank 0 failed: the waiting ranks exit without a word (their stdin closes)."""
+def abort(grace_s: float = 3.0) -> None:
+    """Rank 0 failed: close the children's stdin. A child still waiting for the go exits without a word;
+    a training child exits at once too (:func:`_watch_rank0`).
+
+    That matters because each collective of a training child needs rank 0, which is leaving, and gloo
+    closes rank 0's connections only when its process exits, not when its process group is destroyed (DDP
+    still holds it): the child would sit in its collective until the timeout (a SIGTERM to rank 0 took 13 s
+    to end the job). A child that has not exited after ``grace_s`` (its stdin also held open by a process
+    rank 0 forked, say) is killed.
+    """
     for child in _children:
-        _send(child, b"")
-    finish(timeout_s=10.0)
+        _send(child, _STOP if _going is not None else b"")
+    finish(timeout_s=grace_s if _going is not None else 10.0)
 
 
 def finish(timeout_s: float = 60.0) -> None:
     """Wait for the children of this job, kill what is left, and forget them (a sweep starts anew, and the
     launch variables this module set are taken back)."""
-    global _env_before, _store
+    global _env_before, _store, _going
+    if _going is not None:  # first: the observer must not report the ranks this kills
+        _going.clear()
+        _going = None
     deadline = time.monotonic() + timeout_s
     for child in _children:
         try:
@@ -298,6 +318,7 @@ def finish(timeout_s: float = 60.0) -> None:
         except subprocess.TimeoutExpired:
             child.kill()
             child.wait()
+        _send(child, b"")
     _children.clear()
     _store = None  # the server stops once the process group's own handle is gone too
     if _env_before is not None:
@@ -349,6 +370,20 @@ def wait_for_release() -> None:
         sys.stderr.flush()
         os._exit(0)
     _released = True
+    threading.Thread(target=_watch_rank0, daemon=True, name="parallelkit-rank0-watch").start()
+
+
+def _watch_rank0(exit_code: int = 3) -> None:
+    """In a released child: rank 0 closes this child's stdin only when it ends the job early (``abort``)
+    or dies; the child then leaves at once with the peer-failure code instead of waiting in a collective
+    that rank 0 will never join (rank 0 waits for its children before it exits normally)."""
+    why = "ended the job (its error says why)" if sys.stdin.buffer.read().startswith(_STOP) else "(the launching process) is gone"
+    rank = os.environ.get("LOCAL_RANK", "?")
+    try:
+        print(f"parallelkit: rank {rank} stops: rank 0 {why}.", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+    finally:
+        os._exit(exit_code)
 
 
 def _send(child: subprocess.Popen, data: bytes, close: bool = True) -> None:

@@ -344,7 +344,8 @@ def test_a_push_cut_by_a_dying_worker_is_applied_whole_or_not_at_all(tmp_path):
     after = reference.pull(ids)
     assert (after != before).all()  # the push changes every row: a partial one would show
 
-    ctx = multiprocessing.get_context("spawn")
+    ctx = multiprocessing.get_context("forkserver")  # the harness's server, torch preloaded: no import per process
+    ctx.set_forkserver_preload(["torch"])
     outcomes = []
     for i, delay in enumerate([0.0, 0.004, 0.016, 0.064, 0.256, None]):
         # Nothing the dying worker touches may hold a lock: its own pipe, a lock-free shared double.

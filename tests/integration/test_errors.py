@@ -102,6 +102,8 @@ def test_sigterm_stops_every_rank_with_a_failure_code(rank, tmp_path):
     assert f"SIGTERM to rank {rank}" in proc.stderr
     assert proc.returncode != 0, proc.stderr[-3000:]
     assert time.monotonic() - start < timeout_s, "the job waited for the collective timeout instead of stopping"
+    if rank == 0:  # rank 1 sits in a collective rank 0 never joins: rank 0 tells it to go (not the timeout, not a kill)
+        assert "rank 1 stops: rank 0 ended the job" in proc.stderr, proc.stderr[-3000:]
     assert not (tmp_path / "run" / "summary.json").exists()
 
 
@@ -119,6 +121,7 @@ def test_stuck_rank_is_named_within_the_timeout(tmp_path):
     assert proc.returncode == 3, proc.stderr[-3000:]
     assert "rank 1 never reached the collective" in proc.stderr, proc.stderr[-3000:]
     assert "rank 0 never reached" not in proc.stderr  # only the stuck one is named
+    assert "rank 1 stops: rank 0 ended the job" in proc.stderr  # the stuck rank is told to go, not waited for
     assert elapsed < 90, f"the job took {elapsed:.0f} s to stop"
     assert not (run_dir / "summary.json").exists()
     time.sleep(1)
