@@ -13,6 +13,9 @@ import sys
 
 
 def main(forked: bool = False) -> None:
+    from parallelkit import startup_gc
+
+    startup_gc.pause()  # resumed once the run is built (parallelkit.startup_gc)
     # The heavy imports first: this is what the early start overlaps with rank 0's Hydra composition.
     import lightning.pytorch  # noqa: F401
     import torch  # noqa: F401

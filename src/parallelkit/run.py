@@ -17,7 +17,7 @@ from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from parallelkit import local_launch
+from parallelkit import local_launch, startup_gc
 from parallelkit.distributed.checkpoint_io import check_compatible
 from parallelkit.distributed.compile import apply_compile
 from parallelkit.distributed.elastic import restart_count
@@ -130,6 +130,7 @@ def run(cfg: DictConfig) -> dict[str, Any] | None:
             err.add_note(stuck)  # cli's message names them; the store is gone after the teardown below
         raise
     finally:
+        startup_gc.resume()  # a run that failed while building (a sweep's next job must not start without it)
         # After a failure the other ranks may never reach a barrier: tear down without one.
         _teardown_process_group(barrier=finished)
         for key, value in saved_env.items():  # the next job of a sweep starts clean
@@ -236,6 +237,7 @@ def _run(cfg: DictConfig) -> dict[str, Any] | None:
     except (MisconfigurationException, TypeError) as err:
         raise ConfigError(f"The trainer settings do not work together: {err}") from None
     # Everything that can fail on bad input has run: ranks started early may now go (no-op otherwise).
+    startup_gc.resume()
     local_launch.release_or_wait()
     trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
     return summary.summary if trainer.is_global_zero else None
