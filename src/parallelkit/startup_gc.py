@@ -2,7 +2,7 @@
 
 Importing torch, Lightning and their dependencies creates a few hundred thousand container objects, and
 CPython's collector runs a full pass over all of them again and again while they are being created: about
-0.5 s of a rank's ~2.7 s of imports on a 2-core machine, none of which finds garbage. So the entry points
+0.5 s of a rank's ~2.7 s of imports on a 2-core machine, for little garbage. So the entry points
 (``train.py``, an early-started local rank) pause the collector first thing, and :func:`resume` turns it
 back on once the run is built, just before the ranks start work. It also freezes what exists by then
 (``gc.freeze``): the modules, the model and the trainer live for the whole run, and later collections no

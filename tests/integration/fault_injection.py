@@ -119,3 +119,15 @@ class StallRank(Callback):
 
             print(f"fault_injection: stalling rank {self.rank} at step {trainer.global_step}", file=sys.stderr, flush=True)
             time.sleep(self.seconds)
+
+
+class RequireCollector(Callback):
+    """Fail the run if CPython's garbage collector is still off when training starts on this rank
+    (``parallelkit.startup_gc`` pauses it during start-up and must have turned it back on)."""
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        import gc
+
+        if not gc.isenabled():
+            raise RuntimeError(f"rank {trainer.global_rank}: the garbage collector is still off when training starts")
+        print(f"fault_injection: rank {trainer.global_rank} trains with the collector on", file=sys.stderr, flush=True)

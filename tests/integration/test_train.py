@@ -152,6 +152,28 @@ def test_default_run_dir_is_deterministic(tmp_path):
     assert (runs[0].parent / "train_rank1.log").exists()  # rank 1 wrote into the same directory
 
 
+def test_collector_is_back_on_on_every_rank_when_training_starts(tmp_path):
+    """train.py and an early-started rank pause the garbage collector for their start-up
+    (parallelkit.startup_gc); both must train with it on again. Real processes (cold): the entry points
+    themselves are what is tested."""
+    import gc
+
+    from fault_injection import RequireCollector
+
+    gc.disable()  # negative control: the callback does fail a rank that trains with the collector off
+    try:
+        with pytest.raises(RuntimeError, match="still off"):
+            RequireCollector().on_train_start(type("T", (), {"global_rank": 0})(), None)
+    finally:
+        gc.enable()
+    env = {"PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parent), os.environ.get("PYTHONPATH", "")])}
+    check = ["+callbacks.gc._target_=fault_injection.RequireCollector"]
+    proc = train([*TINY, "strategy=ddp", "trainer.devices=2", "trainer.max_steps=3", *check, f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path, env=env, cold=True)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    for rank in (0, 1):
+        assert f"rank {rank} trains with the collector on" in proc.stderr
+
+
 def test_ddp_fp16_hook_halves_gradient_traffic(single_reference, tmp_path):
     """strategy=ddp_fp16 (a Hydra partial of parallelkit's fp16 hook) sends half the bytes and still learns the
     same thing: fp16 keeps 11 significant bits of each averaged gradient, so the loss may drift from the fp32
