@@ -10,7 +10,9 @@ they import torch and Lightning while rank 0 composes, receive the composed conf
 parallel with it. Each child then waits on its stdin, just before training, until rank 0 has validated
 the run (:func:`release_or_wait`): bad input still stops the job before any other rank trains or writes
 anything, with one message from rank 0 (a child that fails while building defers to rank 0's verdict
-and leaves quietly when rank 0 stops). Lightning sees ``LOCAL_RANK`` in the environment and treats the
+and leaves quietly when rank 0 stops). After the go, the child's stdin stays open: rank 0 writes "stop" and
+closes it when it ends the job early, and a bare end of it means rank 0 died; either way the child leaves
+at once (:func:`_watch_rank0`) instead of waiting in a collective rank 0 will never join. Lightning sees ``LOCAL_RANK`` in the environment and treats the
 processes as externally created, as under torchrun.
 
 Used only when the local process count is known from the config alone (``trainer.devices`` an int > 1,
