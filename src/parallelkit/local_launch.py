@@ -12,8 +12,8 @@ the run (:func:`release_or_wait`): bad input still stops the job before any othe
 anything, with one message from rank 0 (a child that fails while building defers to rank 0's verdict
 and leaves quietly when rank 0 stops). After the go, the child's stdin stays open: rank 0 writes "stop" and
 closes it when it ends the job early, and a bare end of it means rank 0 died; either way the child leaves
-at once (:func:`_watch_rank0`) instead of waiting in a collective rank 0 will never join. Lightning sees ``LOCAL_RANK`` in the environment and treats the
-processes as externally created, as under torchrun.
+at once (:func:`_watch_rank0`) instead of waiting in a collective rank 0 will never join. Lightning sees
+``LOCAL_RANK`` in the environment and treats the processes as externally created, as under torchrun.
 
 Used only when the local process count is known from the config alone (``trainer.devices`` an int > 1,
 one node, no torchrun/SLURM); otherwise Lightning's launcher starts the ranks as usual.
@@ -379,7 +379,8 @@ def _watch_rank0(exit_code: int = 3) -> None:
     """In a released child: rank 0 closes this child's stdin only when it ends the job early (``abort``)
     or dies; the child then leaves at once with the peer-failure code instead of waiting in a collective
     that rank 0 will never join (rank 0 waits for its children before it exits normally)."""
-    why = "ended the job (its error says why)" if sys.stdin.buffer.read().startswith(_STOP) else "(the launching process) is gone"
+    stopped = sys.stdin.buffer.read().startswith(_STOP)
+    why = "ended the job (its error says why)" if stopped else "(the launching process) is gone"
     rank = os.environ.get("LOCAL_RANK", "?")
     try:
         print(f"parallelkit: rank {rank} stops: rank 0 {why}.", file=sys.stderr, flush=True)
