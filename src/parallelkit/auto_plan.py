@@ -220,7 +220,7 @@ def estimate(candidate: Candidate, model: Any, dims: ParallelDims, hw: Hardware,
     options = plan_options(model, dims, shape=shape, rank_batch=rank_batch, slots=workload["slots"],
                            zero_stage=candidate.zero_stage, schedule=workload["schedule"], cache=cache,
                            reshard_after_forward=resolve_reshard_after_forward(workload["reshard_after_forward"], dims.pp),
-                           sequence_parallel=workload["sequence_parallel"])
+                           sequence_parallel=workload["sequence_parallel"], plan_source=workload["plan_source"])
     block_bytes = cache.setdefault("block_bytes", _largest_block_bytes(model))
     worst_memory: dict[str, float] = {"total": -1.0}
     comm_bytes = dict.fromkeys(COMM_AXES, 0.0)
@@ -301,7 +301,7 @@ def choose_layout(cfg: Any, world_size: int, hardware: Hardware, *, max_microbat
                 "slots": optimizer_slots(cfg.optim.optimizer._target_), "schedule": kwargs.get("schedule", "1f1b"),
                 "recompute": cfg.get("recompute", "none"), "num_params": sum(p.numel() for p in model.parameters()),
                 "reshard_after_forward": kwargs.get("reshard_after_forward"),  # None: hybrid4d's default per layout
-                "sequence_parallel": kwargs.get("sequence_parallel", False)}
+                "sequence_parallel": kwargs.get("sequence_parallel", False), "plan_source": kwargs.get("plan")}
     mesh_order = tuple(kwargs.get("mesh_order", DEFAULT_MESH_ORDER))
     cache: dict = {}
     candidates = []
@@ -315,8 +315,7 @@ def choose_layout(cfg: Any, world_size: int, hardware: Hardware, *, max_microbat
             strategy = make_strategy(**degrees, microbatches=candidate.microbatches, **kwargs)
             dims = strategy.plan(world_size)
             strategy.check_model(model, world_size)
-            if hasattr(strategy, "check_workload"):
-                strategy.check_workload(model, datamodule)
+            strategy.check_workload(model, datamodule)
         except ConfigError as err:
             candidate.invalid = str(err)
         else:

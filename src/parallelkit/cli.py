@@ -1,4 +1,5 @@
-"""The glue between ``train.py`` and :func:`parallelkit.run.run`: resolvers, clear errors, clean exits."""
+"""The glue between the entry points (``train.py``, the ``parallelkit`` command) and :func:`parallelkit.run.run`:
+the shared Hydra main, resolvers, clear errors, clean exits."""
 
 from __future__ import annotations
 
@@ -48,6 +49,35 @@ def rank_suffix() -> str:
 def rank_zero_value(value: str) -> str | None:
     """``value`` on rank 0, ``None`` elsewhere: only rank 0 writes the composed config (.hydra/)."""
     return value if launcher_rank() == 0 else None
+
+
+# The configs an installed parallelkit carries: the repository's conf/, shipped as the package parallelkit.conf
+# (pyproject.toml, setup.py). train.py reads its checkout's conf/ directly instead (see there).
+PACKAGED_CONFIGS = "pkg://parallelkit.conf"
+
+
+def hydra_main(config_path: str) -> Callable[[], None]:
+    """The Hydra entry shared by ``train.py`` and the ``parallelkit`` command, reading ``config_path``.
+
+    Hydra is imported here, not at the top of this module: the entry points start the local ranks before
+    they import it (:func:`parallelkit.local_launch.start_before_hydra`). The job name (log file
+    ``train.log``, ranks' ``train_rankN.log``) is set in ``conf/train.yaml``: Hydra would otherwise name
+    the job after the module that defines this function (``cli``), not after ``train.py``.
+    """
+    import hydra
+
+    # `python -m` puts the working directory first on sys.path; a script puts its own directory there instead
+    # (train.py's checkout, the console script's bin/). Either way the user's package beside them must import
+    # (`model._target_=mypkg.Net`, `strategy.plan=mypkg.parallelize`); the local ranks get the same path.
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    register_resolvers()
+
+    @hydra.main(config_path=config_path, config_name="train", version_base="1.3")
+    def main(cfg: DictConfig) -> None:
+        run_or_explain(cfg)
+
+    return main
 
 
 def register_resolvers() -> None:

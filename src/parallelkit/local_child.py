@@ -37,7 +37,11 @@ def main(forked: bool = False) -> None:
 
     from parallelkit.cli import exit_after, run_or_explain
 
-    sys.path.insert(0, payload["script_dir"])  # as `python train.py` does: _target_s next to the script import
+    # Where rank 0 imports the user's own _target_s from: beside `python train.py`, or the working directory
+    # of the `parallelkit` command (this child's `-m` start put its cwd, the same, on sys.path unless -P).
+    for path in (payload.get("cwd"), payload["script_dir"]):
+        if path and path not in sys.path:
+            sys.path.insert(0, path)
     if payload.get("logging"):
         os.makedirs(os.path.dirname(payload["logging"]["handlers"]["file"]["filename"]), exist_ok=True)
         logging.config.dictConfig(payload["logging"])

@@ -53,8 +53,8 @@ def hydra_job_command(local_rank: int) -> list[str]:
     from hydra.core.hydra_config import HydraConfig
 
     hc = HydraConfig.get()
-    if getattr(__main__, "__spec__", None) is None:
-        command = [sys.executable, os.path.abspath(sys.argv[0])]
+    if getattr(__main__, "__spec__", None) is None:  # `python train.py`, or the installed `parallelkit` script:
+        command = [sys.executable, os.path.abspath(sys.argv[0])]  # its interpreter runs it, as the shebang would
     else:
         command = [sys.executable, "-m", __main__.__spec__.name]
     command += [f"--config-name={hc.job.config_name}"]
@@ -200,7 +200,8 @@ def send_config(cfg) -> None:
     """Hand the composed config to the waiting children (resolved: they have no Hydra context of their own).
 
     Each also gets its output directory, its own log file (``<job>_rank<k>.log``, the file Hydra would have
-    given it) and the script's directory (``python train.py`` makes it importable, for ``_target_``\ s there).
+    given it), the script's directory (``python train.py`` makes it importable, for ``_target_``\ s there)
+    and the working directory (the ``parallelkit`` command and ``python -m parallelkit`` make that importable).
     """
     from omegaconf import OmegaConf
 
@@ -220,7 +221,7 @@ def send_config(cfg) -> None:
         if logging_cfg and "file" in logging_cfg.get("handlers", {}):
             logging_cfg["handlers"]["file"]["filename"] = os.path.join(out, f"{job}_rank{local_rank}.log")
         payload = {"config": {**config, "output_dir": out}, "logging": logging_cfg,
-                   "script_dir": os.path.dirname(os.path.abspath(sys.argv[0]))}
+                   "script_dir": os.path.dirname(os.path.abspath(sys.argv[0])), "cwd": os.getcwd()}
         _send(child, json.dumps(payload).encode() + b"\n", close=False)
 
 

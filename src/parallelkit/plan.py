@@ -33,7 +33,6 @@ import torch
 
 from parallelkit.distributed.parallel_dims import DP, EP, PP, SHARDING, TP, ParallelDims
 
-CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 AXES = (DP, SHARDING, TP, PP, EP)
 
 
@@ -57,13 +56,14 @@ class Plan:
 
 # ------------------------------------------------------------------------------------ config
 def compose_config(overrides: list[str]) -> Any:
-    """The ``train`` config composed with ``overrides``, as ``train.py`` would see it."""
-    from hydra import compose, initialize_config_dir
+    """The ``train`` config composed with ``overrides``, as ``train.py`` and the ``parallelkit`` command see it
+    (the configs parallelkit carries, ``parallelkit.conf``: the checkout's ``conf/`` in an editable install)."""
+    from hydra import compose, initialize_config_module
 
     from parallelkit.cli import register_resolvers
 
     register_resolvers()
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+    with initialize_config_module(config_module="parallelkit.conf", version_base="1.3"):
         return compose("train", overrides=list(overrides))
 
 
@@ -96,16 +96,16 @@ def mesh_groups(dims: ParallelDims) -> dict[str, list[list[int]]]:
 
 
 # ------------------------------------------------------------------------------------ model state
-def tp_divisors(model: torch.nn.Module, tp: int, sequence_parallel: bool = False) -> dict[str, int]:
+def tp_divisors(model: torch.nn.Module, tp: int, sequence_parallel: bool = False, plan_source: Any = None) -> dict[str, int]:
     """Parameter name → how many ways TP splits it (the model's plan: column-parallel weight and bias,
     row-parallel weight; row-parallel biases and everything else stay whole)."""
     if tp == 1:
         return {}
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-    from parallelkit.strategies.tp import tensor_parallel_plan_of
+    from parallelkit.models.plans import model_plans
 
-    plan = tensor_parallel_plan_of(model)(model, tp, sequence_parallel=sequence_parallel)
+    plan = model_plans(model, plan_source).tensor_parallel_plan(tp, sequence_parallel=sequence_parallel, who=f"tp={tp}")
     split: dict[str, int] = {}
     for name, module in model.named_modules():
         style = next((s for pattern, s in plan.layout.items() if fnmatch.fnmatchcase(name, pattern)), None)
@@ -122,21 +122,20 @@ def stage_param_names(model: torch.nn.Module, dims: ParallelDims, pp_rank: int, 
     if dims.pp == 1:
         return names
     from parallelkit.distributed.pipeline_parallel import stage_blocks, stage_ids_for_rank
-    from parallelkit.strategies.pp import pipeline_plan
+    from parallelkit.models.plans import model_plans
 
-    plan = pipeline_plan(model)
     num_stages = dims.pp * options["virtual_stages"]
-    blocks = stage_blocks(plan.pipeline_blocks(model), num_stages, options["split"])
+    blocks = stage_blocks(model_plans(model, options["plan_source"]).pipeline_blocks(who=f"pp={dims.pp}"), num_stages, options["split"])
     stage_ids = stage_ids_for_rank(pp_rank, dims.pp, options["virtual_stages"], options["schedule"])
     cut = copy.deepcopy(model)
-    plan.pipeline_stages(cut, blocks, stage_ids)
+    model_plans(cut, options["plan_source"]).pipeline_stages(blocks, stage_ids)
     return {n for n, _ in cut.named_parameters()}
 
 
-def expert_param_names(model: torch.nn.Module) -> set[str]:
-    from parallelkit.strategies.moe import expert_parallel_plan_of
+def expert_param_names(model: torch.nn.Module, plan_source: Any = None) -> set[str]:
+    from parallelkit.models.plans import model_plans
 
-    ids = {id(p) for site in expert_parallel_plan_of(model).sites for p in site.experts_dict.parameters()}
+    ids = {id(p) for site in model_plans(model, plan_source).expert_parallel_plan(who="ep > 1").sites for p in site.experts_dict.parameters()}
     return {n for n, p in model.named_parameters() if id(p) in ids}
 
 
@@ -214,9 +213,10 @@ def model_shape(model: torch.nn.Module, datamodule: Any) -> dict[str, int]:
 
 def plan_options(model: torch.nn.Module, dims: ParallelDims, *, shape: dict[str, int], rank_batch: int, slots: int,
                  zero_stage: int, reshard_after_forward: bool = True, schedule: str = "1f1b", virtual_stages: int = 1,
-                 split: list[int] | None = None, sequence_parallel: bool = False,
+                 split: list[int] | None = None, sequence_parallel: bool = False, plan_source: Any = None,
                  cache: dict | None = None) -> dict[str, Any]:
-    """What :func:`rank_state_bytes` and :func:`rank_comm_bytes` need for ``dims``.
+    """What :func:`rank_state_bytes` and :func:`rank_comm_bytes` need for ``dims`` (``plan_source``: the
+    strategy's ``plan``, where the model's plans are; :mod:`parallelkit.models.plans`).
 
     ``cache`` (a dict the caller keeps) reuses the TP split and pipeline cuts across layouts that share
     ``tp`` or ``pp``: the automatic planner evaluates dozens of layouts of one model.
@@ -229,13 +229,14 @@ def plan_options(model: torch.nn.Module, dims: ParallelDims, *, shape: dict[str,
         "virtual_stages": vs, "split": split, "schedule": schedule,
         "zero_stage": zero_stage if dims.sharding > 1 else 0, "reshard_after_forward": reshard_after_forward,
         "slots": slots, "model_cfg": shape, "rank_batch": rank_batch, "num_stages": dims.pp * vs,
+        "plan_source": plan_source,
     }
     key = ("tp", dims.tp, sequence_parallel)
     if key not in cache:
-        cache[key] = tp_divisors(model, dims.tp, sequence_parallel)
+        cache[key] = tp_divisors(model, dims.tp, sequence_parallel, plan_source)
     options["tp_split"] = cache[key]
     if dims.ep > 1:
-        options["experts"] = cache.setdefault("experts", expert_param_names(model))
+        options["experts"] = cache.setdefault("experts", expert_param_names(model, plan_source))
     else:
         options["experts"] = set()
     key = ("pp", dims.pp, vs, schedule, tuple(split or ()))
@@ -256,11 +257,12 @@ def plan_options(model: torch.nn.Module, dims: ParallelDims, *, shape: dict[str,
 def build_plan(overrides: list[str]) -> Plan:
     from hydra.utils import instantiate
 
+    from parallelkit.strategies.protocol import as_protocol
+
     cfg = compose_config(overrides)
-    strategy = instantiate(cfg.strategy)
+    strategy = as_protocol(instantiate(cfg.strategy))
     devices = cfg.trainer.get("devices") or strategy.default_devices("cpu")
-    if hasattr(strategy, "resolve"):  # strategy=auto: plan the layout it would choose
-        strategy = strategy.resolve(cfg, devices, cfg.trainer.get("num_nodes") or 1)
+    strategy = strategy.resolve(cfg, devices, cfg.trainer.get("num_nodes") or 1)  # strategy=auto: the layout it would choose
     dims = strategy.plan(devices * (cfg.trainer.get("num_nodes") or 1))
     datamodule, model = build_workload(cfg, dims.data_parallel_size)
     batch = datamodule.plan
@@ -270,9 +272,10 @@ def build_plan(overrides: list[str]) -> Plan:
         reshard_after_forward=getattr(strategy, "reshard_after_forward", True),
         schedule=getattr(strategy, "schedule", "1f1b"), virtual_stages=getattr(strategy, "virtual_stages", 1) or 1,
         split=getattr(strategy, "split", None), sequence_parallel=getattr(strategy, "sequence_parallel", False),
+        plan_source=getattr(strategy, "plan_source", None),
     )
     groups = mesh_groups(dims)
-    plan = Plan(type(strategy).__name__ if not hasattr(strategy, "strategy_name") else strategy.strategy_name, dims,
+    plan = Plan(strategy.strategy_name, dims,
                 sum(p.numel() for p in model.parameters()))
     for rank in range(dims.world_size):
         coords = dims.coordinates(rank)

@@ -22,6 +22,7 @@ from omegaconf import DictConfig
 
 from parallelkit.distributed.checkpoint_io import check_compatible, load_unsharded
 from parallelkit.errors import ConfigError
+from parallelkit.models.plans import parallel_model
 
 
 def load_weights(module: torch.nn.Module, path: str | Path) -> None:
@@ -54,10 +55,10 @@ def predict(cfg: DictConfig, trainer: Any, module: Any, datamodule: Any, out: Pa
     options = cfg.get("predict") or {}
     # Generation runs on rank 0 with an unsharded copy taken now: after validate the strategy may have split
     # the module across ranks (and reading the checkpoint again would be a collective rank 0 runs alone).
-    generator_model = copy.deepcopy(module.model) if options.get("samples", 0) and hasattr(datamodule, "decode") else None
+    generator_model = copy.deepcopy(parallel_model(module)) if options.get("samples", 0) and hasattr(datamodule, "decode") else None
     # A tiled image (data=raster): every rank predicts its own tiles with an unsharded copy, and the cores are
     # written into one predictions.npy (parallelkit.data.raster) — reassembly without gathering the image.
-    tiled = copy.deepcopy(module.model) if hasattr(datamodule, "write_predictions") else None
+    tiled = copy.deepcopy(parallel_model(module)) if hasattr(datamodule, "write_predictions") else None
     startup_gc.resume()
     local_launch.release_or_wait()
     results = trainer.validate(module, datamodule=datamodule, verbose=False)

@@ -18,18 +18,26 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from parallelkit import local_launch, startup_gc
-from parallelkit.distributed.checkpoint_io import check_compatible
 from parallelkit.distributed.compile import apply_compile
 from parallelkit.distributed.elastic import restart_count
 from parallelkit.distributed.recompute import apply_recompute
 from parallelkit.errors import ConfigError
+from parallelkit.models.contract import as_lightning_module, check_model_fits_data, import_target
+from parallelkit.models.plans import parallel_model
+from parallelkit.strategies.protocol import as_protocol
 
 # Environment variables Lightning's launcher sets for a job; a sweep's next job must start without them.
 _LAUNCH_ENV = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE", "PL_GLOBAL_SEED")
 
 
 def build(node: Any, what: str, **kwargs: Any) -> Any:
-    """``hydra.utils.instantiate`` with errors turned into a one-paragraph :class:`ConfigError`."""
+    """``hydra.utils.instantiate`` with errors turned into a one-paragraph :class:`ConfigError`.
+
+    ``what`` names the setting, e.g. ``model``: a ``_target_`` that does not import is reported as
+    ``model._target_=...`` with the reason, before Hydra's own (longer) message could be.
+    """
+    if isinstance(node, DictConfig) and isinstance(node.get("_target_"), str):
+        import_target(node._target_, f"{what}._target_")
     try:
         return instantiate(node, **kwargs)
     except InstantiationException as err:
@@ -37,7 +45,7 @@ def build(node: Any, what: str, **kwargs: Any) -> Any:
         if isinstance(cause, ConfigError):
             raise cause from None
         target = node.get("_target_") if isinstance(node, DictConfig) else node
-        raise ConfigError(f"Could not build {what} ({target}): {cause or err}") from None
+        raise ConfigError(f"Could not build {_label(what)} ({target}): {cause or err}") from None
 
 
 def resolve_accelerator(requested: str) -> str:
@@ -69,31 +77,40 @@ def resolve_devices(requested: Any, strategy: Any, accelerator: str) -> int:
     return requested
 
 
-def check_model_fits_data(cfg: DictConfig, data_kwargs: dict[str, Any]) -> None:
-    """The model takes its sizes from the data (vocabulary, features): both must speak of the same ones."""
-    import inspect
-
-    from hydra.utils import get_class
-
-    try:
-        params = inspect.signature(get_class(cfg.model._target_)).parameters
-    except Exception:  # noqa: BLE001 - an unloadable target is reported by build()
-        return
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-        return
-    missing = sorted(set(data_kwargs) - set(params))
-    if missing:
-        raise ConfigError(
-            f"model={_choice('model')} does not fit data={_choice('data')}: the data provides {sorted(data_kwargs)}, "
-            f"but the model takes no {missing}. Pair gpt with chars, mlp with synthetic and segmenter with raster "
-            "(e.g. `model=mlp data=synthetic`, or `+experiment=mlp_regression`)."
-        )
-
-
 def _choice(group: str) -> str:
+    """The option the run chose for a config group (``gpt``); ``?`` outside Hydra (an early-started rank)."""
     from hydra.core.hydra_config import HydraConfig
 
-    return HydraConfig.get().runtime.choices.get(group, "?") if HydraConfig.initialized() else "?"
+    return HydraConfig.get().runtime.choices.get(group) or "?" if HydraConfig.initialized() else "?"
+
+
+def _label(group: str) -> str:
+    """How the run names ``group`` to the user: ``model=gpt``, or ``model._target_=mypkg.Net`` if the command line
+    set the target itself."""
+    targets = [o.lstrip("+") for o in chosen_on_command_line(group) if o.lstrip("+").startswith(f"{group}._target_=")]
+    if targets:
+        return targets[-1]
+    choice = _choice(group)
+    return f"{group}={choice}" if choice != "?" else group
+
+
+def chosen_on_command_line(group: str) -> list[str]:
+    """The command-line overrides that set ``group`` or one of its keys (``optim=sgd``, ``optim.optimizer.lr=1``)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return []
+    return [o for o in HydraConfig.get().overrides.task if o.lstrip("+~").split("=", 1)[0].split(".")[0] == group]
+
+
+def build_logger(cfg: DictConfig, out: Path) -> Any:
+    """``logger=`` (csv, tensorboard, or any Lightning logger by ``_target_``); ``save_dir: null`` = the run directory."""
+    node = cfg.get("logger")
+    if node is None:
+        return False
+    if "save_dir" in node and node.save_dir is None:
+        node = OmegaConf.merge(node, {"save_dir": str(out)})
+    return build(node, "logger")
 
 
 def resolve_num_nodes(requested: int, devices: int) -> int:
@@ -144,8 +161,8 @@ def _run(cfg: DictConfig) -> dict[str, Any] | None:
     import lightning.pytorch as pl
     from lightning.fabric.utilities.exceptions import MisconfigurationException
     from lightning.pytorch.callbacks import ModelCheckpoint
-    from lightning.pytorch.loggers import CSVLogger
 
+    from parallelkit.callbacks.base import ParallelKitCallback
     from parallelkit.callbacks.local_sigterm import LocalSigterm
     from parallelkit.callbacks.run_summary import RunSummary
     from parallelkit.models.module import TrainModule
@@ -154,45 +171,53 @@ def _run(cfg: DictConfig) -> dict[str, Any] | None:
     trainer_cfg = OmegaConf.to_container(cfg.trainer, resolve=True)
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
 
-    strategy = build(cfg.strategy, "the strategy (strategy=...)")
+    # The strategy protocol (parallelkit.strategies.protocol), step by step; a Lightning strategy that is not
+    # parallelkit's takes part with steps that do nothing.
+    strategy = as_protocol(build(cfg.strategy, "strategy"))
     accelerator = resolve_accelerator(trainer_cfg.pop("accelerator", "auto"))
-    if hasattr(strategy, "bind_accelerator"):
-        strategy.bind_accelerator(accelerator)
-    if hasattr(strategy, "bind_trainer_config"):  # a strategy that applies Trainer settings itself checks them now
-        strategy.bind_trainer_config(trainer_cfg)
+    strategy.bind_accelerator(accelerator)
+    strategy.bind_trainer_config(trainer_cfg)  # a strategy that applies Trainer settings itself checks them now
     devices = resolve_devices(trainer_cfg.pop("devices", None), strategy, accelerator)
     num_nodes = resolve_num_nodes(trainer_cfg.pop("num_nodes", 1), devices)
-    if hasattr(strategy, "resolve"):  # strategy=auto: chooses the degrees for this model and world, returns hybrid4d
-        strategy = strategy.resolve(cfg, devices, num_nodes)
-        if hasattr(strategy, "bind_accelerator"):  # the resolved strategy gets the same binding as above
-            strategy.bind_accelerator(accelerator)
-        if hasattr(strategy, "bind_trainer_config"):
-            strategy.bind_trainer_config(trainer_cfg)
+    resolved = strategy.resolve(cfg, devices, num_nodes)  # strategy=auto: the hybrid4d layout it chose
+    if resolved is not strategy:  # the chosen strategy gets the same bindings as the one that chose it
+        strategy = as_protocol(resolved)
+        strategy.bind_accelerator(accelerator)
+        strategy.bind_trainer_config(trainer_cfg)
     dims = strategy.plan(devices * num_nodes)
 
-    datamodule = build(cfg.data, "the data module (data=...)")
+    datamodule = build(cfg.data, "data")
+    if not callable(getattr(datamodule, "configure", None)):
+        raise ConfigError(f"{_label('data')} built a {type(datamodule).__name__}; parallelkit shards data itself and needs a "
+                          "parallelkit.data.base.DataParallelDataModule (its subclasses: conf/data/*.yaml).")
     plan = datamodule.configure(dims.data_parallel_size, trainer_cfg.get("accumulate_grad_batches", 1))
     # Same seed on every rank → identical initial weights (DDP also broadcasts them from rank 0).
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
-    check_model_fits_data(cfg, datamodule.model_kwargs())
-    model = build(cfg.model, "the model (model=...)", **datamodule.model_kwargs())
+    if not isinstance(cfg.model.get("_target_"), str):
+        raise ConfigError(f"{_label('model')} has no _target_: name the class or function that builds the model (model._target_=mypkg.Net).")
+    check_model_fits_data(import_target(cfg.model._target_, "model._target_"), datamodule.model_kwargs(), _label("model"), _label("data"))
+    built = build(cfg.model, "model", **datamodule.model_kwargs())
+    module = as_lightning_module(
+        built, _label("model"),
+        lambda m: TrainModule(m, build(cfg.optim.optimizer, "optim"), **OmegaConf.to_container(cfg.optim.schedule, resolve=True), step_seed=cfg.seed),
+        chosen_on_command_line("optim"),
+    )
+    model = parallel_model(module)  # what the strategy splits and the plans speak of
     # Techniques of the model's own computation, shared by every strategy (they keep module names, so the
     # strategy's plans still apply): recomputation now, compilation lazily at the first forward.
     apply_recompute(model, cfg.get("recompute", "none"))
     if cfg.get("compile", False):
         apply_compile(model, "cuda" if accelerator == "gpu" else "cpu")
-    if hasattr(strategy, "check_model"):  # a strategy that splits the model checks it can (e.g. heads % tp)
-        strategy.check_model(model, dims.world_size)
-    module = TrainModule(model, build(cfg.optim.optimizer, "the optimizer (optim=...)"), **OmegaConf.to_container(cfg.optim.schedule, resolve=True), step_seed=cfg.seed)
-    # A strategy whose plan depends on the model or the batches (pipeline split points, micro-batches)
-    # checks them here, still before the other ranks are released.
-    if hasattr(strategy, "check_workload"):
-        strategy.check_workload(model, datamodule)
+    # Can the strategy split this model (heads % tp, a plan), train this LightningModule (manual optimization
+    # under a pipeline), with these batches (pipeline micro-batches)? Still before the other ranks are released.
+    strategy.check_model(model, dims.world_size)
+    strategy.check_lightning_module(module)
+    strategy.check_workload(model, datamodule)
 
-    if hasattr(datamodule, "check_mode"):  # e.g. an unlabelled image can be predicted but not trained on
+    if callable(getattr(datamodule, "check_mode", None)):  # e.g. an unlabelled image can be predicted but not trained on
         datamodule.check_mode(cfg.get("mode", "train"))
     if cfg.get("mode", "train") == "predict":
-        return _predict(cfg, strategy, accelerator, devices, num_nodes, datamodule, module, trainer_cfg, out)
+        return _predict(cfg, strategy.lightning_strategy, accelerator, devices, num_nodes, datamodule, module, trainer_cfg, out)
 
     ckpt_path = cfg.get("ckpt_path")
     if ckpt_path is None and (restart_count() or 0) > 0:
@@ -200,10 +225,9 @@ def _run(cfg: DictConfig) -> dict[str, Any] | None:
     last = out / "checkpoints" / "last.ckpt"
     if ckpt_path not in (None, "last") or (ckpt_path == "last" and last.exists()):
         # A missing, incomplete, corrupt or mismatched checkpoint is bad input: say so before any rank starts.
-        check = getattr(strategy, "check_checkpoint", check_compatible)  # a strategy with its own checkpoint format
-        check(last if ckpt_path == "last" else ckpt_path, {k: v.shape for k, v in module.state_dict().items()})
+        strategy.check_checkpoint(last if ckpt_path == "last" else ckpt_path, {k: v.shape for k, v in module.state_dict().items()})
 
-    summary = RunSummary(out, plan.global_batch_size, sum(p.numel() for p in model.parameters()))
+    summary = RunSummary(out, plan.global_batch_size, sum(p.numel() for p in module.parameters()))
     every = cfg.checkpoint.every_n_steps
     # Epoch-based runs (trainer.max_steps=-1) checkpoint at the end of each epoch instead.
     step_based = bool(every and every > 0)
@@ -214,22 +238,22 @@ def _run(cfg: DictConfig) -> dict[str, Any] | None:
         every_n_train_steps=every if step_based else None,
         save_on_train_epoch_end=not step_based,  # not after validation: last.ckpt is the final state
     )
-    callbacks = [build(node, f"callback {name!r}") for name, node in (cfg.get("callbacks") or {}).items()]
+    callbacks = [build(node, f"callbacks.{name}") for name, node in (cfg.get("callbacks") or {}).items()]
     # A callback that needs something of the strategy (a DDP comm hook, replicated parameters) says so now,
     # before the other ranks start work: one message and exit code 2, not an error in every rank.
     for callback in callbacks:
-        if callable(getattr(callback, "check_strategy", None)):
-            callback.check_strategy(strategy, dims)
+        if isinstance(callback, ParallelKitCallback):
+            callback.check_strategy(strategy.lightning_strategy, dims)
     if trainer_cfg.get("enable_progress_bar") is None:  # auto: a bar on a terminal, none in log files
         trainer_cfg["enable_progress_bar"] = sys.stdout.isatty()
     try:
         trainer = pl.Trainer(
-            strategy=strategy,
+            strategy=strategy.lightning_strategy,
             accelerator=accelerator,
             devices=devices,
             num_nodes=num_nodes,
             callbacks=[*callbacks, checkpoint, summary, LocalSigterm()],
-            logger=CSVLogger(save_dir=out, name="", version=""),
+            logger=build_logger(cfg, out),
             default_root_dir=out,
             use_distributed_sampler=False,  # the datamodule shards by the data-parallel rank itself
             **trainer_cfg,

@@ -31,9 +31,10 @@ from pathlib import Path
 from typing import Any
 
 from parallelkit.errors import ConfigError
-from parallelkit.plan import CONF_DIR, compose_config
+from parallelkit.plan import compose_config
 
-TRAIN_PY = CONF_DIR.parent / "train.py"
+# The installed entry point (the same run as train.py, the packaged configs): works from any directory.
+TRAIN_COMMAND = [sys.executable, "-m", "parallelkit"]
 EXIT_OK, EXIT_DIFFERS, EXIT_CONFIG_ERROR, EXIT_RUN_FAILED = 0, 1, 2, 3
 # Overrides that describe the parallel layout (or where/how long to run): not part of the reference.
 _LAYOUT_KEYS = ("strategy", "trainer.devices", "trainer.num_nodes", "trainer.max_steps", "hydra.run.dir")
@@ -86,7 +87,7 @@ def run_train(overrides: list[str], run_dir: Path, steps: int, timeout: float) -
     args = [*overrides, f"trainer.max_steps={steps}", "trainer.limit_val_batches=0", "trainer.enable_progress_bar=false",
             "trainer.enable_model_summary=false", f"hydra.run.dir={run_dir}"]
     env = {**os.environ, "HYDRA_FULL_ERROR": "0"}
-    proc = subprocess.run([sys.executable, str(TRAIN_PY), *args], capture_output=True, text=True, timeout=timeout,
+    proc = subprocess.run([*TRAIN_COMMAND, *args], capture_output=True, text=True, timeout=timeout,
                           env=env, cwd=run_dir.parent)
     if run_dir.is_dir():  # the run's own output stays beside its summary (with --run-dir)
         (run_dir / "train.out").write_text(proc.stdout + proc.stderr)

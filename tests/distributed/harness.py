@@ -93,7 +93,9 @@ def run_ranks(
     if world_size < 1:
         raise ValueError(f"world_size should be an int greater than 0. Got {world_size!r}.")
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch"])  # only takes effect when the server starts (the first call)
+    # Only takes effect when the server starts (the first call). Lightning too: ranks that run a Trainer then
+    # start in a fraction of a second instead of importing it (~2 s each on 2 cores).
+    ctx.set_forkserver_preload(["torch", "lightning.pytorch"])
     rdzv_dir = Path(tempfile.mkdtemp(prefix="rdzv_", dir=tmp_path))  # a fresh store file per run
     init_method = f"file://{rdzv_dir / 'store'}"
 

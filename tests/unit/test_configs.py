@@ -236,6 +236,22 @@ def check_trainer(name, compose_train, tmp_path):
     build_trainer(cfg, tmp_path)
 
 
+def check_logger(name, compose_train, tmp_path):
+    """The logger as run.py builds it (``save_dir: null`` = the run directory): it writes there."""
+    from lightning.pytorch.loggers import Logger
+
+    from parallelkit.run import build_logger
+
+    cfg = compose_train([f"logger={name}"])
+    logger = build_logger(cfg, tmp_path)
+    assert isinstance(logger, Logger)
+    logger.log_metrics({"train_loss": 1.5}, step=0)
+    logger.save()
+    logger.finalize("success")
+    written = [p for p in tmp_path.rglob("*") if p.is_file()]
+    assert written and all(p.is_relative_to(tmp_path) for p in written), written
+
+
 CHECKS = {
     "strategy": check_strategy,
     "data": check_data,
@@ -244,6 +260,7 @@ CHECKS = {
     "callbacks": check_callbacks,
     "experiment": check_experiment,
     "trainer": check_trainer,
+    "logger": check_logger,
 }
 
 

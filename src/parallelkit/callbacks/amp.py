@@ -17,13 +17,14 @@ from typing import Any, Callable, Generator
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.plugins.precision import Precision
 
+from parallelkit.callbacks.base import ParallelKitCallback
 from parallelkit.callbacks.run_summary import log_step_metrics
 from parallelkit.distributed.loss_scaling import DynamicLossScaler
 from parallelkit.distributed.precision_lists import apply_precision_lists
 from parallelkit.errors import ConfigError
+from parallelkit.models.plans import parallel_model
 from parallelkit.strategies.base import LIGHTNING_BACKWARD, require_capabilities
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -68,7 +69,7 @@ class AmpPrecision(Precision):
             self.scaler.load_state_dict(state_dict)
 
 
-class AMP(Callback):
+class AMP(ParallelKitCallback):
     """Mixed precision training with PaddlePaddle Fleet's AMP knobs.
 
     Args:
@@ -134,7 +135,7 @@ class AMP(Callback):
         device_type = strategy.root_device.type
         if self.dtype == "fp16":
             self.scaler = DynamicLossScaler(**self.scaling, comm_stats=getattr(strategy, "comm_stats", None))
-        self.pinned = apply_precision_lists(getattr(pl_module, "model", pl_module), device_type, DTYPES[self.dtype], self.white, self.black)
+        self.pinned = apply_precision_lists(parallel_model(pl_module), device_type, DTYPES[self.dtype], self.white, self.black)
         strategy.precision_plugin = AmpPrecision(device_type, DTYPES[self.dtype], self.scaler)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

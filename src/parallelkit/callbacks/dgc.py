@@ -5,9 +5,9 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
+from parallelkit.callbacks.base import ParallelKitCallback
 from parallelkit.callbacks.run_summary import log_step_metrics
 from parallelkit.distributed.dgc import DEFAULT_SPARSITY, DGCState, dgc_hook
 from parallelkit.errors import ConfigError
@@ -16,7 +16,7 @@ from parallelkit.strategies.base import DDP_COMM_HOOK, require_capabilities
 OWNER = "callbacks=[dgc]"
 
 
-class DeepGradientCompression(Callback):
+class DeepGradientCompression(ParallelKitCallback):
     """Send only the top ``1 − sparsity`` of each rank's accumulated gradient (Lin et al., ICLR 2018).
 
     Installs :func:`~parallelkit.distributed.dgc.dgc_hook` as the strategy's DDP comm hook, so it needs a

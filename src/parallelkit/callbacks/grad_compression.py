@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import Callback
 
+from parallelkit.callbacks.base import ParallelKitCallback
 from parallelkit.callbacks.run_summary import log_step_metrics
 from parallelkit.distributed.comm_hooks import COMPRESSION_METHODS, GRAD_ALLREDUCE, GRAD_HOOK_INPUT, POWERSGD_ALLREDUCE, build_compression_hook
 from parallelkit.errors import ConfigError
@@ -16,7 +16,7 @@ OWNER = "callbacks=[grad_compression]"
 _KINDS = (GRAD_ALLREDUCE, POWERSGD_ALLREDUCE, GRAD_HOOK_INPUT)
 
 
-class GradCompression(Callback):
+class GradCompression(ParallelKitCallback):
     """Compress the DDP gradient all-reduce with ``method``:
 
     - ``fp16``: gradients travel in fp16 (half the bytes; every backend);

@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import Callback
 
+from parallelkit.callbacks.base import ParallelKitCallback
 from parallelkit.callbacks.run_summary import log_step_metrics
 from parallelkit.distributed.comm_stats import sent_bytes
 from parallelkit.distributed.hierarchical_allreduce import INTER, INTRA, build_hierarchical_state, hierarchical_allreduce_hook
@@ -16,7 +16,7 @@ from parallelkit.strategies.base import DDP_COMM_HOOK, require_capabilities
 OWNER = "callbacks=[hierarchical_allreduce]"
 
 
-class HierarchicalAllReduce(Callback):
+class HierarchicalAllReduce(ParallelKitCallback):
     """Average gradients in three stages over groups of ``local_size`` ranks (simulated nodes on one machine).
 
     Installs :func:`~parallelkit.distributed.hierarchical_allreduce.hierarchical_allreduce_hook` as the

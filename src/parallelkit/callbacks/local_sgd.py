@@ -5,9 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
+from parallelkit.callbacks.base import ParallelKitCallback
 from parallelkit.callbacks.run_summary import log_step_metrics
 from parallelkit.distributed.comm_stats import sent_bytes
 from parallelkit.distributed.local_sgd import GRAD_ALLREDUCE, PARAM_AVERAGE, LocalSGD, LocalSGDState, local_sgd_hook
@@ -17,7 +17,7 @@ from parallelkit.strategies.base import DDP_COMM_HOOK, REPLICATED_PARAMS, requir
 OWNER = "callbacks=[local_sgd]"
 
 
-class LocalSGDCallback(Callback):
+class LocalSGDCallback(ParallelKitCallback):
     """Ranks step on their own gradients and average parameters every ``k_steps`` optimizer steps.
 
     Installs :func:`~parallelkit.distributed.local_sgd.local_sgd_hook` as the DDP comm hook, which sends

@@ -24,6 +24,7 @@ from lightning.pytorch.utilities import rank_zero_only
 from parallelkit.distributed.comm_stats import CommStats
 from parallelkit.distributed.parallel_dims import ParallelDims
 from parallelkit.errors import TrainingDiverged
+from parallelkit.models.plans import parallel_model
 
 
 def peak_rss_bytes() -> int:
@@ -191,14 +192,20 @@ class RunSummary(Callback):
 
 
 def _metric_providers(trainer: pl.Trainer, pl_module: pl.LightningModule) -> list[Any]:
-    candidates = [trainer.strategy, getattr(pl_module, "model", None), *trainer.callbacks]
+    candidates = [trainer.strategy, *_models(pl_module), *trainer.callbacks]
     return [c for c in candidates if c is not None and callable(getattr(c, "summary_metrics", None))]
 
 
 def _step_metric_providers(trainer: pl.Trainer, pl_module: pl.LightningModule) -> list[Any]:
     """Like :func:`_metric_providers`, for ``step_metrics() -> dict`` (called on every rank after each step)."""
-    candidates = [trainer.strategy, getattr(pl_module, "model", None), *trainer.callbacks]
+    candidates = [trainer.strategy, *_models(pl_module), *trainer.callbacks]
     return [c for c in candidates if c is not None and callable(getattr(c, "step_metrics", None))]
+
+
+def _models(pl_module: pl.LightningModule) -> list[Any]:
+    """The LightningModule and, if it wraps one (parallelkit's TrainModule), its model: both may report metrics."""
+    inner = parallel_model(pl_module)
+    return [pl_module] if inner is pl_module else [pl_module, inner]
 
 
 def log_step_metrics(trainer: pl.Trainer, metrics: dict[str, float], step: int | None = None) -> None:

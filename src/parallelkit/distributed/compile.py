@@ -13,7 +13,7 @@ import shutil
 
 import torch
 
-from parallelkit.distributed.fsdp import sharding_units
+from parallelkit.distributed.blocks import blocks_or_children
 from parallelkit.errors import ConfigError
 
 
@@ -21,9 +21,9 @@ def apply_compile(model: torch.nn.Module, device_type: str = "cpu") -> list[torc
     """``torch.compile`` every block of ``model`` in place; returns the compiled blocks."""
     if device_type == "cpu" and not (shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")):
         raise ConfigError("compile=true on CPU needs a C++ compiler (inductor generates C++): install g++ or set compile=false.")
-    blocks = sharding_units(model)
+    blocks = blocks_or_children(model)
     if not blocks:
-        raise ConfigError("compile=true compiles per block, but the model has no ModuleList/ModuleDict of blocks.")
+        raise ConfigError("compile=true compiles per block, but the model has no sub-modules with parameters to compile.")
     for block in blocks:
         block.compile()
     return blocks

@@ -1,7 +1,8 @@
 """ZeRO stage 3 on FSDP2 (``fully_shard``): parameters, gradients and optimizer state all sharded.
 
-Each sharding unit (by default every transformer block, then the root) all-gathers its parameters right
-before it runs, forward and backward, and reduce-scatters its gradients after backward. parallelkit plugs
+Each sharding unit (by default every repeated block, then the root; the policies are in
+:mod:`parallelkit.distributed.blocks`) all-gathers its parameters right before it runs, forward and
+backward, and reduce-scatters its gradients after backward. parallelkit plugs
 its own collectives into FSDP2 (``set_custom_reduce_scatter`` / ``set_custom_all_gather``) so that the
 traffic is counted, and so that on gloo the reduce-scatter is the bandwidth-optimal all-to-all of
 :mod:`parallelkit.distributed.collectives` instead of gloo's all-reduce-and-slice. With a 2-D mesh
@@ -17,6 +18,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, fully_shard
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 
+from parallelkit.distributed.blocks import repeated_blocks
 from parallelkit.distributed.collectives import reduce_scatter
 from parallelkit.distributed.comm_stats import CommStats
 
@@ -50,23 +52,11 @@ class _CountedReduceScatter(ReduceScatter):
         return None  # synchronous: FSDP2 then needs no work handle
 
 
-def sharding_units(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The default sharding units: ``model.sharding_units()`` if the model names them, else every child of a
-    ``ModuleList``/``ModuleDict`` (a transformer's blocks)."""
-    if callable(getattr(model, "sharding_units", None)):
-        return list(model.sharding_units())
-    units = []
-    for module in model.modules():
-        if isinstance(module, (torch.nn.ModuleList, torch.nn.ModuleDict)):
-            units.extend(module.children())
-    return units
-
-
 def apply_fsdp(
     model: torch.nn.Module,
     mesh: Any,
     *,
-    per_block: bool = True,
+    units: Sequence[torch.nn.Module] | None = None,
     reshard_after_forward: bool = True,
     offload_params: bool = False,
     ignored_params: set[torch.nn.Parameter] | None = None,
@@ -75,8 +65,11 @@ def apply_fsdp(
     """Shard ``model`` in place with FSDP2 over ``mesh`` (1-D: sharding; 2-D ``(dp, sharding)``: HSDP).
 
     Args:
-        per_block: one unit per block (:func:`sharding_units`), so only one block's full parameters exist at
-            a time; ``False``: the whole model is one unit.
+        units: the sub-modules that become sharding units of their own, children before parents
+            (:func:`~parallelkit.distributed.blocks.select_units`), so only one unit's full parameters exist
+            at a time; ``None``: the model's repeated blocks; ``[]``: the whole model is one unit. The model
+            itself is always the root unit, holding whatever no unit holds. A module that is already sharded
+            (by a LightningModule's own ``configure_model``) is kept as it is.
         reshard_after_forward: free the gathered parameters after forward (ZeRO-3) and gather again for
             backward.
         offload_params: keep the parameter shards, their gradients and the optimizer state in host memory
@@ -86,16 +79,24 @@ def apply_fsdp(
     """
     offload: OffloadPolicy = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if offload_params else OffloadPolicy()
     kwargs = {"mesh": mesh, "reshard_after_forward": reshard_after_forward, "offload_policy": offload, "ignored_params": ignored_params}
-    units = sharding_units(model) if per_block else []
-    for unit in units:
-        fully_shard(unit, **kwargs)
-    fully_shard(model, **kwargs)
+    for unit in repeated_blocks(model) if units is None else units:
+        if not isinstance(unit, FSDPModule):
+            fully_shard(unit, **kwargs)
+    if not isinstance(model, FSDPModule):
+        fully_shard(model, **kwargs)
     replicas = mesh.size(0) if mesh.ndim == 2 else 1
-    for module in [*units, model]:
-        assert isinstance(module, FSDPModule)
+    for module in model.modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        # parallelkit's collectives: counted, and on gloo a reduce-scatter that sends what it should.
         module.set_custom_all_gather(_CountedAllGather(comm_stats))
         module.set_custom_reduce_scatter(_CountedReduceScatter(comm_stats))
         if replicas > 1 and comm_stats is not None:
             # HSDP all-reduces the reduced shard across replicas itself; the hook sees that tensor.
             module.set_all_reduce_hook(lambda grad, n=replicas: comm_stats.record("grad_all_reduce", grad, "all_reduce", n))
     return model
+
+
+def is_sharded(model: torch.nn.Module) -> bool:
+    """Whether any module of ``model`` is already an FSDP2 unit (e.g. sharded by its own ``configure_model``)."""
+    return any(isinstance(module, FSDPModule) for module in model.modules())

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 from parallelkit.errors import ConfigError
 
@@ -192,6 +193,26 @@ class ParallelDims:
                 f"{self.world_size}."
             )
         return init_device_mesh(device_type, self.mesh_shape, mesh_dim_names=tuple(self.mesh_order))
+
+
+#: Lightning's ``ModelParallelStrategy`` names for the data-parallel and tensor-parallel ranks.
+LIGHTNING_AXES = {"data_parallel": (DP, SHARDING), "tensor_parallel": (TP,)}
+
+
+def add_lightning_axis_names(mesh: Any) -> None:
+    """Also name the mesh's axes as Lightning's ``ModelParallelStrategy`` does, so that a LightningModule's
+    ``configure_model`` written for it (``fully_shard(layer, mesh=self.device_mesh["data_parallel"])``) runs
+    unchanged: ``data_parallel`` is ``(dp, sharding)`` flattened, ``tensor_parallel`` is ``tp``. Skipped where a
+    custom ``mesh_order`` puts ``dp`` and ``sharding`` apart (they cannot be flattened into one axis)."""
+    import warnings
+
+    # torch warns that slicing a flattened axis from the root mesh (what such code does) may be deprecated.
+    warnings.filterwarnings("ignore", message="Slicing a flattened dim from root mesh")
+    order = list(mesh.mesh_dim_names)
+    for name, axes in LIGHTNING_AXES.items():
+        positions = [order.index(axis) for axis in axes]
+        if positions == list(range(positions[0], positions[0] + len(positions))):
+            mesh[axes]._flatten(name)
 
 
 def _check_positive_int(name: str, value: object) -> None:

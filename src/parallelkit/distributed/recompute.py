@@ -1,8 +1,9 @@
 """Activation recomputation (checkpointing): drop activations in forward, recompute them in backward.
 
-``full`` recomputes each block (by default every transformer block: the model's sharding units) from its
-input, so only block inputs stay alive between forward and backward; ``selective`` recomputes only the
-compute-heavy children of each block (attention, MLP), keeping the cheap ones' (norms) activations. The
+``full`` recomputes each block (the model's repeated blocks, or its top-level children if it has none:
+:func:`~parallelkit.distributed.blocks.blocks_or_children`) from its input, so only block inputs stay alive
+between forward and backward; ``selective`` recomputes only the compute-heavy children of each block
+(attention, MLP), keeping the cheap ones' (norms) activations. The
 module's ``forward`` is wrapped in place — names and structure are unchanged, so tensor-parallel plans,
 FSDP units and pipeline stages built later still find every module. Applied before those (the order
 TP → EP → recompute → FSDP/DDP → PP only constrains wrappers that rename modules; this one does not).
@@ -16,7 +17,7 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from parallelkit.distributed.fsdp import sharding_units
+from parallelkit.distributed.blocks import blocks_or_children
 from parallelkit.errors import ConfigError
 
 MODES = ("none", "full", "selective")
@@ -30,7 +31,7 @@ def recompute_units(model: torch.nn.Module, mode: str) -> list[torch.nn.Module]:
     """The modules whose forward is recomputed for ``mode`` (``model.recompute_units(mode)`` if it says)."""
     if callable(getattr(model, "recompute_units", None)):
         return list(model.recompute_units(mode))
-    blocks = sharding_units(model)
+    blocks = blocks_or_children(model)
     if mode == "full":
         return blocks
     return [child for block in blocks for child in block.children() if not _is_norm(child) and any(True for _ in child.parameters())]
@@ -56,7 +57,8 @@ def apply_recompute(model: torch.nn.Module, mode: str) -> list[torch.nn.Module]:
         return []
     units = recompute_units(model, mode)
     if not units:
-        raise ConfigError(f"recompute={mode}: the model has no blocks to recompute (no ModuleList/ModuleDict of blocks, no recompute_units()).")
+        what = "sub-modules with parameters" if mode == "full" else "blocks with sub-layers (attention, MLP) to recompute selectively; recompute=full recomputes whole blocks"
+        raise ConfigError(f"recompute={mode}: {type(model).__name__} has no {what} (or define recompute_units(mode) on it).")
     for unit in units:
         _checkpointed(unit)
     return units

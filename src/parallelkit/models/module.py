@@ -38,6 +38,11 @@ class TrainModule(pl.LightningModule):
         self.min_lr_ratio = min_lr_ratio
         self.step_seed = step_seed
 
+    @property
+    def parallel_model(self) -> torch.nn.Module:
+        """What strategies parallelize and look plans up for: the wrapped model (see ``parallelkit.models.plans``)."""
+        return self.model
+
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
         return self.model(inputs)
 

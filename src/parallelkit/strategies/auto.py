@@ -20,6 +20,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from parallelkit.auto_plan import AutoPlan, Hardware, choose_layout, format_ranking
 from parallelkit.errors import ConfigError
 from parallelkit.strategies.hybrid4d import hybrid4d
+from parallelkit.strategies.protocol import StrategyProtocol
 
 STRATEGY_NAME = "auto"
 
@@ -41,7 +42,7 @@ def machine_memory(accelerator: str, devices_per_node: int) -> float:
     return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")) / devices_per_node
 
 
-class AutoStrategy:
+class AutoStrategy(StrategyProtocol):
     """Chooses the degrees with the cost model of :mod:`parallelkit.auto_plan`, then runs ``strategy=hybrid4d``.
 
     Args:

@@ -14,6 +14,7 @@ import torch
 from parallelkit.distributed.comm_stats import CommStats
 from parallelkit.distributed.parallel_dims import ParallelDims
 from parallelkit.errors import ConfigError
+from parallelkit.strategies.protocol import StrategyProtocol
 
 METRICS = "metrics"
 
@@ -26,8 +27,9 @@ REPLICATED_PARAMS = "replicated_params"
 LIGHTNING_BACKWARD = "lightning_backward"
 
 
-class ParallelKitStrategyMixin:
-    """Mixed into each parallelkit strategy before its Lightning base class."""
+class ParallelKitStrategyMixin(StrategyProtocol):
+    """Mixed into each parallelkit strategy before its Lightning base class: the run protocol
+    (:class:`~parallelkit.strategies.protocol.StrategyProtocol`), planned degrees, capabilities, counted traffic."""
 
     #: the name used by ``strategy=NAME`` and written to ``summary.json``.
     strategy_name: str = "?"
@@ -42,10 +44,6 @@ class ParallelKitStrategyMixin:
         self.device_mesh = None
 
     # ---------------------------------------------------------------- planning (before launch)
-    def default_devices(self, accelerator: str) -> int:
-        """Processes per node when ``trainer.devices`` is not set."""
-        return 1
-
     def plan(self, world_size: int) -> ParallelDims:
         """Validate the requested degrees for ``world_size`` processes (raises :class:`ConfigError`)."""
         if self.max_world_size is not None and world_size > self.max_world_size:
@@ -75,10 +73,6 @@ class ParallelKitStrategyMixin:
     def supports(self, capability: str) -> bool:
         """Whether this strategy (as configured) offers ``capability`` (one of the constants in this module)."""
         return capability in self.capabilities
-
-    def summary_metrics(self, trainer: Any) -> dict[str, Any]:
-        """Extra top-level entries for ``summary.json``; called on every rank at the end of training."""
-        return {}
 
     def global_mean(self, tensor: torch.Tensor) -> torch.Tensor:
         """Mean of a per-rank metric over all ranks (counted as ``metrics`` traffic)."""

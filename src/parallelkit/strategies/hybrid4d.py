@@ -35,11 +35,12 @@ from parallelkit.distributed.grad_sync import apply_grad_allreduce
 from parallelkit.distributed.parallel_dims import DEFAULT_MESH_ORDER, DP, PP, SHARDING, TP, ParallelDims
 from parallelkit.distributed.tensor_parallel import apply_tp
 from parallelkit.errors import ConfigError
+from parallelkit.models.plans import model_plans
 from parallelkit.strategies.base import LIGHTNING_BACKWARD
 from parallelkit.strategies.mesh import DEFAULT_TIMEOUT_S, MeshStrategy
-from parallelkit.strategies.moe import EXPERT_GRAD_ALLREDUCE, expert_parallel_plan_of
+from parallelkit.strategies.moe import EXPERT_GRAD_ALLREDUCE
 from parallelkit.strategies.pp import PipelineStrategy
-from parallelkit.strategies.tp import TensorParallelSteps, tensor_parallel_plan_of
+from parallelkit.strategies.tp import TensorParallelSteps
 
 STRATEGY_NAME = "hybrid4d"
 
@@ -67,13 +68,11 @@ def check_hybrid_degrees(dp: Any, sharding: Any, tp: Any, pp: Any, ep: Any, sequ
         raise ConfigError("strategy=hybrid4d cannot run this combination: " + "; ".join(problems) + ".")
 
 
-def expert_plan_if_moe(model: torch.nn.Module) -> ExpertParallelPlan | None:
-    """The model's expert-parallel plan if it is a Mixture-of-Experts model, else None."""
-    try:
-        plan = expert_parallel_plan_of(model)
-    except ConfigError:
-        return None
-    return plan if plan.sites else None
+def expert_plan_if_moe(model: torch.nn.Module, source: Any = None) -> ExpertParallelPlan | None:
+    """The model's expert-parallel plan if it is a Mixture-of-Experts model (it has one, with MoE layers), else None."""
+    make = model_plans(model, source).find("expert_parallel_plan")
+    plan = make(model) if make is not None else None
+    return plan if plan is not None and plan.sites else None
 
 
 def compose_before_pipeline(strategy: Any, model: torch.nn.Module) -> None:
@@ -88,11 +87,12 @@ def compose_before_pipeline(strategy: Any, model: torch.nn.Module) -> None:
     mesh = strategy.device_mesh
     # 1. TP
     if dims.tp > 1:
-        plan = tensor_parallel_plan_of(model)(model, dims.tp, sequence_parallel=strategy.sequence_parallel)
+        plan = model_plans(model, strategy.plan_source).tensor_parallel_plan(
+            dims.tp, sequence_parallel=strategy.sequence_parallel, who=f"strategy=hybrid4d with strategy.tp={dims.tp}")
         strategy.tensor_parallel = apply_tp(model, mesh[TP], plan, comm_stats=strategy.comm_stats)
         strategy.grad_syncs.append(strategy.tensor_parallel)
     # 2. EP: also at ep == 1 for an MoE model, so that capacity is decided over all data-parallel ranks.
-    expert_plan = expert_plan_if_moe(model)
+    expert_plan = expert_plan_if_moe(model, strategy.plan_source)
     if expert_plan is not None:
         # new_subgroups_by_enumeration is collective: every rank creates every group, in this order.
         ep_group, _ = dist.new_subgroups_by_enumeration(dims.expert_parallel_groups())
@@ -125,7 +125,7 @@ def apply_data_parallel(strategy: Any, modules: list[torch.nn.Module]) -> None:
             apply_fsdp(
                 module,
                 mesh[(DP, SHARDING)] if dims.dp > 1 else mesh[SHARDING],
-                per_block=strategy.per_block,
+                units=None if strategy.per_block else [],
                 reshard_after_forward=strategy.reshard_after_forward,
                 ignored_params=set(experts) or None,
                 comm_stats=strategy.comm_stats,
@@ -154,7 +154,8 @@ class HybridParts:
     ep_handle: ExpertParallelHandle | None = None
     expert_dp_group: Any = None
 
-    def _init_hybrid(self, sequence_parallel: bool, per_block: bool, reshard_after_forward: bool | None) -> None:
+    def _init_hybrid(self, sequence_parallel: bool, per_block: bool, reshard_after_forward: bool | None, plan: str | None) -> None:
+        self.plan_source = plan
         self.sequence_parallel = sequence_parallel
         self.per_block = per_block
         self.reshard_after_forward = resolve_reshard_after_forward(reshard_after_forward, self._degrees[PP])
@@ -171,10 +172,11 @@ class HybridParts:
         """Before launch: the model can be split as planned (heads % tp, experts % ep; the pipeline's blocks
         are checked by ``check_workload``)."""
         dims = self.plan(world_size)
+        plans = model_plans(model, self.plan_source)
         if dims.tp > 1:
-            tensor_parallel_plan_of(model)(model, dims.tp, sequence_parallel=self.sequence_parallel)
+            plans.tensor_parallel_plan(dims.tp, sequence_parallel=self.sequence_parallel, who=f"strategy=hybrid4d with strategy.tp={dims.tp}")
         if dims.ep > 1:
-            check_expert_parallel(expert_parallel_plan_of(model, f"strategy=hybrid4d with strategy.ep={dims.ep}"), dims.ep)
+            check_expert_parallel(plans.expert_parallel_plan(who=f"strategy=hybrid4d with strategy.ep={dims.ep}"), dims.ep)
 
     def bind_trainer_config(self, trainer_cfg: dict[str, Any]) -> None:
         _refuse_norm_clipping_with_experts(self._degrees["ep"], trainer_cfg.get("gradient_clip_val"), trainer_cfg.get("gradient_clip_algorithm"))
@@ -223,10 +225,10 @@ class Hybrid4DStrategy(HybridParts, TensorParallelSteps, MeshStrategy):
     capabilities = frozenset({LIGHTNING_BACKWARD})
 
     def __init__(self, dp: int = -1, sharding: int = 1, tp: int = 2, ep: int = 1, *, sequence_parallel: bool = False,
-                 per_block: bool = True, reshard_after_forward: bool | None = None, **kwargs: Any) -> None:
+                 per_block: bool = True, reshard_after_forward: bool | None = None, plan: str | None = None, **kwargs: Any) -> None:
         check_hybrid_degrees(dp, sharding, tp, 1, ep, sequence_parallel)
         super().__init__(dp=dp, sharding=sharding, tp=tp, pp=1, ep=ep, **kwargs)
-        self._init_hybrid(sequence_parallel, per_block, reshard_after_forward)
+        self._init_hybrid(sequence_parallel, per_block, reshard_after_forward, plan)
 
     def parallelize(self, model: torch.nn.Module) -> None:
         compose_before_pipeline(self, model)
@@ -244,11 +246,11 @@ class Hybrid4DPipelineStrategy(HybridParts, TensorParallelSteps, PipelineStrateg
 
     def __init__(self, dp: int = -1, sharding: int = 1, tp: int = 2, pp: int = 2, ep: int = 1, *,
                  sequence_parallel: bool = False, per_block: bool = True, reshard_after_forward: bool | None = None,
-                 **kwargs: Any) -> None:
+                 plan: str | None = None, **kwargs: Any) -> None:
         check_hybrid_degrees(dp, sharding, tp, pp, ep, sequence_parallel)
-        super().__init__(pp=pp, dp=dp, **kwargs)
+        super().__init__(pp=pp, dp=dp, plan=plan, **kwargs)
         self._degrees.update(sharding=sharding, tp=tp, ep=ep)  # PipelineStrategy takes pp and dp only; ParallelDims validates all
-        self._init_hybrid(sequence_parallel, per_block, reshard_after_forward)
+        self._init_hybrid(sequence_parallel, per_block, reshard_after_forward, plan)
 
     def parallelize(self, model: torch.nn.Module) -> None:
         compose_before_pipeline(self, model)  # 1-3 (TP, EP) on the whole model
@@ -279,6 +281,7 @@ def hybrid4d(
     virtual_stages: int | None = None,
     split: list[int] | None = None,
     trace: bool = False,
+    plan: str | None = None,
     save_distributed_checkpoint: bool = True,
     timeout_s: float = DEFAULT_TIMEOUT_S,
     process_group_backend: str | None = None,
@@ -293,9 +296,11 @@ def hybrid4d(
             ``reshard_after_forward=None``: ZeRO-3 without a pipeline, kept gathered through the step with one
             (:func:`resolve_reshard_after_forward`).
         microbatches / schedule / virtual_stages / split / trace: pipeline options when ``pp > 1``.
+        plan: where the model's plans are (``mypkg.parallelize``); ``None``: the model's own methods, then the
+            ``parallelize`` module beside its class (:mod:`parallelkit.models.plans`).
     """
     common = dict(dp=dp, sharding=sharding, tp=tp, ep=ep, mesh_order=mesh_order, sequence_parallel=sequence_parallel,
-                  per_block=per_block, reshard_after_forward=reshard_after_forward,
+                  per_block=per_block, reshard_after_forward=reshard_after_forward, plan=plan,
                   save_distributed_checkpoint=save_distributed_checkpoint, timeout_s=timeout_s,
                   process_group_backend=process_group_backend)
     check_hybrid_degrees(dp, sharding, tp, pp, ep, sequence_parallel)

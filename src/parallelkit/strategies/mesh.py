@@ -8,7 +8,10 @@ they take and which ``apply_*`` functions they compose, in :meth:`MeshStrategy.p
 
 Built on Lightning's ``ModelParallelStrategy`` (its checkpoint and collective plumbing) but without its
 requirement that the LightningModule parallelize itself in ``configure_model``: in parallelkit the plan is
-chosen on the command line and applied by the strategy.
+chosen on the command line and applied by the strategy, to the module :func:`~parallelkit.models.plans.parallel_model`
+names (the model parallelkit's ``TrainModule`` wraps, or any other LightningModule as a whole). A
+LightningModule sharded as a whole runs its steps through its own ``__call__`` (Lightning's forward
+redirection), so that the hooks FSDP2 puts around a root module's forward also fire around ``training_step``.
 """
 
 from __future__ import annotations
@@ -22,19 +25,21 @@ import torch
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
+from torch.distributed.fsdp import FSDPModule
 
 from parallelkit.distributed.elastic import init_process_group_for_attempt
 from parallelkit.distributed.grad_sync import GradAllReduce
-from parallelkit.distributed.parallel_dims import DEFAULT_MESH_ORDER, ParallelDims
+from parallelkit.distributed.parallel_dims import DEFAULT_MESH_ORDER, ParallelDims, add_lightning_axis_names
 from parallelkit.errors import ConfigError
 from parallelkit.launcher import HydraJobLauncher
+from parallelkit.models.plans import parallel_model
 from parallelkit.strategies.base import LIGHTNING_BACKWARD, ParallelKitStrategyMixin
 
 DEFAULT_TIMEOUT_S = 180.0
 
 
 class MeshStrategy(ParallelKitStrategyMixin, ModelParallelStrategy):
-    """Parallelize ``TrainModule.model`` in place on the mesh, then train with Lightning's loop.
+    """Parallelize the LightningModule's model in place on the mesh, then train with Lightning's loop.
 
     Args:
         dp / sharding / tp / pp / ep: the degrees (``-1``: the remaining ranks), validated by
@@ -76,6 +81,7 @@ class MeshStrategy(ParallelKitStrategyMixin, ModelParallelStrategy):
         self._mesh_order = tuple(mesh_order)
         self.timeout_s = float(timeout_s)
         self.grad_syncs: list[GradAllReduce] = []
+        self._steps_through_call = False
 
     # ---------------------------------------------------------------- planning (before launch)
     def default_devices(self, accelerator: str) -> int:
@@ -97,6 +103,7 @@ class MeshStrategy(ParallelKitStrategyMixin, ModelParallelStrategy):
         self._setup_distributed()
         self._parallel_dims = self.plan(self.world_size)
         self._device_mesh = self._parallel_dims.build_mesh(self.root_device.type)
+        add_lightning_axis_names(self._device_mesh)  # configure_model code written for Lightning's strategy
         self.device_mesh = self._device_mesh
         self.lightning_module._device_mesh = self._device_mesh
 
@@ -110,13 +117,18 @@ class MeshStrategy(ParallelKitStrategyMixin, ModelParallelStrategy):
 
     def setup(self, trainer: Any) -> None:
         self.accelerator.setup(trainer)
-        self.lightning_module.model.to(self.root_device)
-        self.parallelize(self.lightning_module.model)
+        self.check_lightning_module(self.lightning_module)
+        model = parallel_model(self.lightning_module)
+        model.to(self.root_device)
+        self.parallelize(model)
+        # FSDP2's root hooks gather and reshard around the root's __call__; Lightning calls training_step directly.
+        self._steps_through_call = isinstance(self.lightning_module, FSDPModule)
         self.model_to_device()
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
             self.shard_optimizers()
+            self.check_optimizers()
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
@@ -124,6 +136,38 @@ class MeshStrategy(ParallelKitStrategyMixin, ModelParallelStrategy):
     def parallelize(self, model: torch.nn.Module) -> None:
         """Apply this strategy's techniques to ``model`` in place (the subclass's composition)."""
         raise NotImplementedError
+
+    def check_optimizers(self) -> None:
+        """The gradient averaging of ``grad_syncs`` runs once per optimizer step; with several optimizers
+        (Lightning's manual optimization) it would run once per optimizer and each step would average the
+        gradients again."""
+        if len(self.optimizers) > 1 and self.grad_syncs:
+            raise ConfigError(
+                f"strategy={self.strategy_name} averages the gradients of the whole model at each optimizer step, but "
+                f"{type(self.lightning_module).__name__}.configure_optimizers returned {len(self.optimizers)} optimizers: each "
+                "step would average them again. Use one optimizer (several parameter groups work), or strategy=ddp, or "
+                "strategy=zero with strategy.stage=3."
+            )
+
+    # ---------------------------------------------------------------- steps of a module sharded as a whole
+    def _step(self, method: str, context: str, lightning_step: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Lightning's step, or, for a module sharded as a whole, the same step through the module's ``__call__``."""
+        if not self._steps_through_call:
+            return lightning_step(*args, **kwargs)
+        with getattr(self.precision_plugin, context)():
+            return self._forward_redirection(self.lightning_module, self.lightning_module, method, *args, **kwargs)
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._step("training_step", "train_step_context", super().training_step, *args, **kwargs)
+
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._step("validation_step", "val_step_context", super().validation_step, *args, **kwargs)
+
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._step("test_step", "test_step_context", super().test_step, *args, **kwargs)
+
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._step("predict_step", "predict_step_context", super().predict_step, *args, **kwargs)
 
     def shard_optimizers(self) -> None:
         """Called once the optimizers exist (ZeRO stages 1-2 shard their state here); default: nothing."""

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 from typing import Any
 
 import torch
@@ -12,6 +11,7 @@ from parallelkit.distributed.expert_parallel import MOE_ALL_TO_ALL, ExpertParall
 from parallelkit.distributed.grad_sync import apply_grad_allreduce
 from parallelkit.distributed.parallel_dims import DP
 from parallelkit.errors import ConfigError
+from parallelkit.models.plans import model_plans
 from parallelkit.strategies.base import LIGHTNING_BACKWARD
 from parallelkit.strategies.mesh import DEFAULT_TIMEOUT_S, MeshStrategy
 
@@ -21,7 +21,7 @@ EXPERT_GRAD_ALLREDUCE = "expert_grad_allreduce"
 class ExpertParallelStrategy(MeshStrategy):
     """Experts sharded over ``ep`` consecutive data-parallel ranks; everything else data-parallel.
 
-    The model's ``parallelize.py`` names its MoE layers (``expert_parallel_plan``); :func:`apply_ep` keeps
+    The model's plan names its MoE layers (``expert_parallel_plan``, :mod:`parallelkit.models.plans`); :func:`apply_ep` keeps
     ``num_experts / ep`` experts per rank and routes tokens with all-to-alls. Dense parameters are averaged
     over all data-parallel ranks; expert parameters only over the ``dp / ep`` ranks that hold the same
     experts. With a capacity factor that drops nothing — or any capacity: drops are decided over the global
@@ -31,6 +31,8 @@ class ExpertParallelStrategy(MeshStrategy):
         ep: expert-parallel degree; divides both the number of processes and ``model.num_experts``.
         dp: data-parallel degree (``-1``: all processes).
         bucket_mb: gradient all-reduce bucket size in MiB.
+        plan: where the model's expert plan is (``mypkg.parallelize``); ``None``: the model's own methods, then
+            the ``parallelize`` module beside its class.
         save_distributed_checkpoint / timeout_s / process_group_backend: as for :class:`MeshStrategy`.
 
     Example::
@@ -46,6 +48,7 @@ class ExpertParallelStrategy(MeshStrategy):
         ep: int = 2,
         dp: int = -1,
         bucket_mb: float = 25.0,
+        plan: str | None = None,
         save_distributed_checkpoint: bool = True,
         timeout_s: float = DEFAULT_TIMEOUT_S,
         process_group_backend: str | None = None,
@@ -54,6 +57,7 @@ class ExpertParallelStrategy(MeshStrategy):
             raise ConfigError(f"strategy.bucket_mb should be a number greater than 0. Got {bucket_mb!r}.")
         super().__init__(dp=dp, ep=ep, save_distributed_checkpoint=save_distributed_checkpoint, timeout_s=timeout_s, process_group_backend=process_group_backend)
         self.bucket_mb = float(bucket_mb)
+        self.plan_source = plan
         self.ep_handle = None
         self._all_to_all_bytes_seen = 0
 
@@ -72,11 +76,14 @@ class ExpertParallelStrategy(MeshStrategy):
 
     def check_model(self, model: torch.nn.Module, world_size: int | None = None) -> None:
         """Before any process starts: the model has an expert-parallel plan and ``ep`` divides its experts."""
-        check_expert_parallel(expert_parallel_plan_of(model), self._degrees["ep"])
+        check_expert_parallel(self._expert_plan(model), self._degrees["ep"])
+
+    def _expert_plan(self, model: torch.nn.Module) -> ExpertParallelPlan:
+        return model_plans(model, self.plan_source).expert_parallel_plan(who="strategy=moe")
 
     def parallelize(self, model: torch.nn.Module) -> None:
         dims = self.parallel_dims
-        plan = expert_parallel_plan_of(model)
+        plan = self._expert_plan(model)
         check_expert_parallel(plan, dims.ep)
         # new_group must be called by every rank for every group, in the same order.
         ep_group, _ = dist.new_subgroups_by_enumeration(dims.expert_parallel_groups())
@@ -103,20 +110,3 @@ class ExpertParallelStrategy(MeshStrategy):
     def summary_metrics(self, trainer: Any) -> dict[str, Any]:
         handle = self.ep_handle
         return {"expert_parallel": {"ep": self.parallel_dims.ep, "local_experts": handle.local_experts if handle else None}}
-
-
-def expert_parallel_plan_of(model: torch.nn.Module, who: str = "strategy=moe") -> ExpertParallelPlan:
-    """The ``expert_parallel_plan(model)`` of the ``parallelize.py`` beside the model's class (``who``: the
-    setting that needs it, for the message)."""
-    package = type(model).__module__.rpartition(".")[0]
-    try:
-        plans = importlib.import_module(f"{package}.parallelize")
-    except ModuleNotFoundError:
-        plans = None
-    make_plan = getattr(plans, "expert_parallel_plan", None)
-    if make_plan is None:
-        raise ConfigError(
-            f"{who} needs a Mixture-of-Experts model, but {type(model).__name__} has no expert_parallel_plan "
-            f"in {package}.parallelize. Use model=moe_gpt."
-        )
-    return make_plan(model)

@@ -1,8 +1,8 @@
 """Pipeline parallel training inside Lightning's Trainer: the strategy owns the training step.
 
-Each rank keeps only its stages of the model (cut by the model's ``parallelize.py``), runs the whole
-micro-batch schedule (forward *and* backward) in ``training_step``, and data parallelism averages the
-stage gradients over the ``dp`` mesh axis. Lightning's loop, callbacks, logging and checkpoints work as
+Each rank keeps only its stages of the model (cut by the model's pipeline plan: :mod:`parallelkit.models.plans`),
+runs the whole micro-batch schedule (forward *and* backward) in ``training_step``, and data parallelism
+averages the stage gradients over the ``dp`` mesh axis. Lightning's loop, callbacks, logging and checkpoints work as
 usual; what it took (DESIGN.md §7):
 
 - Lightning calls ``training_step``, then ``zero_grad``, then ``backward``. The schedule's gradients are
@@ -17,7 +17,6 @@ usual; what it took (DESIGN.md §7):
 
 from __future__ import annotations
 
-import importlib
 import json
 from pathlib import Path
 from typing import Any
@@ -42,6 +41,7 @@ from parallelkit.distributed.pipeline_parallel import (
     theoretical_bubble,
 )
 from parallelkit.errors import ConfigError
+from parallelkit.models.plans import model_plans, parallel_model
 from parallelkit.strategies.mesh import DEFAULT_TIMEOUT_S, MeshStrategy
 
 PP_LOSS = "pp_loss"
@@ -65,28 +65,6 @@ def squared_norm(grads: list[torch.Tensor], device: torch.device) -> torch.Tenso
     return total
 
 
-def pipeline_plan(model: torch.nn.Module) -> Any:
-    """The ``parallelize`` module beside the model's code, which must offer the pipeline split points."""
-    package = type(model).__module__.rsplit(".", 1)[0]
-    try:
-        plan = importlib.import_module(f"{package}.parallelize")
-    except ImportError:
-        plan = None
-    if plan is None or not all(hasattr(plan, f) for f in ("pipeline_blocks", "pipeline_stages")):
-        raise ConfigError(
-            f"strategy=pp needs pipeline split points for {type(model).__name__}: {package}.parallelize must define "
-            "pipeline_blocks(model) and pipeline_stages(model, blocks_per_stage, stage_ids). model=gpt has them."
-        )
-    return plan
-
-
-def pipeline_loss(plan: Any, model: torch.nn.Module) -> Any:
-    """The last stage's loss: the plan's ``pipeline_loss(model)`` if its stages pass more than the logits
-    (an MoE model's aux losses), else the model's own ``loss``."""
-    make = getattr(plan, "pipeline_loss", None)
-    return make(model) if make is not None else model.loss
-
-
 class PipelineStrategy(MeshStrategy):
     """Pipeline parallel over the ``pp`` mesh axis, data parallel over ``dp``.
 
@@ -98,6 +76,8 @@ class PipelineStrategy(MeshStrategy):
         virtual_stages: stages per rank for the interleaved schedules (default 2 there, else 1).
         split: the first block of stages 1..S-1 (default: balanced blocks).
         trace: record every compute and send/recv wait; written to ``DIR/pipeline_trace/`` at the end.
+        plan: where the model's pipeline plan is (``mypkg.parallelize``); ``None``: the model's own methods,
+            then the ``parallelize`` module beside its class (:mod:`parallelkit.models.plans`).
         save_distributed_checkpoint / timeout_s / process_group_backend: see :class:`MeshStrategy`.
 
     Example::
@@ -117,6 +97,7 @@ class PipelineStrategy(MeshStrategy):
         virtual_stages: int | None = None,
         split: list[int] | None = None,
         trace: bool = False,
+        plan: str | None = None,
         mesh_order: tuple[str, ...] | list[str] = DEFAULT_MESH_ORDER,
         save_distributed_checkpoint: bool = True,
         timeout_s: float = DEFAULT_TIMEOUT_S,
@@ -132,14 +113,36 @@ class PipelineStrategy(MeshStrategy):
         self.virtual_stages = virtual_stages
         self.split = None if split is None else list(split)
         self.trace = bool(trace)
+        self.plan_source = plan
         self.pipeline: PipelineParallel | None = None
         self._params: list[torch.nn.Parameter] = []
         self._step_grads: list[torch.Tensor | None] | None = None
 
     # ---------------------------------------------------------------- before launch
+    def check_lightning_module(self, module: Any) -> None:
+        """The schedule runs forward, loss and backward of the micro-batches itself, in place of ``training_step``."""
+        name = type(module).__name__
+        if not module.automatic_optimization:
+            raise ConfigError(
+                f"strategy={self.strategy_name} cannot train {name}: it uses manual optimization (automatic_optimization = "
+                "False), but a pipeline schedule runs every micro-batch's forward and backward itself, across ranks, and "
+                "then one optimizer step: there is no place for your own backward and step calls. Use automatic "
+                "optimization with a model given as an nn.Module (forward(inputs), loss(outputs, targets)), or a strategy "
+                "that runs Lightning's step, such as strategy=zero or strategy=ddp."
+            )
+        if parallel_model(module) is module:
+            raise ConfigError(
+                f"strategy={self.strategy_name} cannot run {name}.training_step: the pipeline schedule runs each stage's "
+                "forward, the loss on the last stage and the backward itself, micro-batch by micro-batch, so a "
+                "LightningModule's own training_step (and what it logs) would never run. Give the model as an nn.Module "
+                "with forward(inputs) and loss(outputs, targets) and its pipeline plan (model._target_=mypkg.Net, see README "
+                "\"Your own model\"), or use a strategy that runs your training_step, such as strategy=zero."
+            )
+
     def check_workload(self, model: torch.nn.Module, datamodule: Any = None) -> None:
         """Check the split and the micro-batches against the model and the batch plan (no process group)."""
-        stage_blocks(pipeline_plan(model).pipeline_blocks(model), self.pp * self.virtual_stages, self.split)
+        who = f"strategy={self.strategy_name} with strategy.pp={self.pp}"
+        stage_blocks(model_plans(model, self.plan_source).pipeline_blocks(who), self.pp * self.virtual_stages, self.split)
         plan = getattr(datamodule, "plan", None)
         if plan is not None:
             what = (f"the per-rank batch (data.global_batch_size={plan.global_batch_size} / dp({plan.data_parallel_size}) "
@@ -157,18 +160,19 @@ class PipelineStrategy(MeshStrategy):
                 f"got the {type(self.precision_plugin).__name__} plugin."
             )
         self.check_workload(model)
-        plan = pipeline_plan(model)
+        plans = model_plans(model, self.plan_source)
         num_stages = self.pp * self.virtual_stages
-        blocks = stage_blocks(plan.pipeline_blocks(model), num_stages, self.split)
+        blocks = stage_blocks(plans.pipeline_blocks(), num_stages, self.split)
         pp_rank = self.parallel_dims.coordinates(self.global_rank)[PP]
         stage_ids = stage_ids_for_rank(pp_rank, self.pp, self.virtual_stages, self.schedule)
-        stage_modules = plan.pipeline_stages(model, blocks, stage_ids)  # drops the other stages' modules
+        loss_fn = plans.pipeline_loss()  # before the cut: a loss may need modules of the model
+        stage_modules = plans.pipeline_stages(blocks, stage_ids)  # drops the other stages' modules
         # Data parallelism before the stages are wrapped: FSDP2 must shard the modules the schedule runs
         # (the stage then drives FSDP's gradient reduction once per step, after the last micro-batch).
         self.apply_data_parallel(stage_modules)
         self.pipeline = apply_pp(
             stage_modules, stage_ids, num_stages, self.device_mesh.get_group(PP),
-            microbatches=self.microbatches, schedule=self.schedule, loss_fn=pipeline_loss(plan, model),
+            microbatches=self.microbatches, schedule=self.schedule, loss_fn=loss_fn,
             device=self.root_device, comm_stats=self.comm_stats, trace=self.trace,
         )
         self._params = [p for p in model.parameters() if p.requires_grad]

@@ -8,8 +8,8 @@ it writes the summary, logs and checkpoints as in every other strategy). Inside 
   workers' group and starts its RPC agent;
 - a server's :meth:`setup` serves requests until every worker reported done, shuts RPC down, and then
   sets ``limit_train_batches = 0``: its fit loop runs no batch and no hook (nothing to log or save);
-- a worker's :meth:`setup` swaps the model's tables (named by ``parameter_server_tables`` in the
-  model's ``parallelize.py``) for :class:`~parallelkit.ps.ShardedEmbedding`; each step pulls the rows
+- a worker's :meth:`setup` swaps the model's tables (named by its ``parameter_server_tables`` plan,
+  :mod:`parallelkit.models.plans`) for :class:`~parallelkit.ps.ShardedEmbedding`; each step pulls the rows
   it needs, runs forward and backward, all-reduces the dense gradients among workers and pushes the
   sparse ones (or, in geo mode, trains a local copy and pushes deltas every ``geo_k_steps``);
 - every collective Lightning issues (barrier, broadcast, reduce, all_gather) goes to the workers'
@@ -21,7 +21,6 @@ or Adam/AdamW (lazy, per row); the current learning rate travels with every push
 
 from __future__ import annotations
 
-import importlib
 import shutil
 from pathlib import Path
 from typing import Any, Callable
@@ -34,6 +33,7 @@ from lightning.pytorch.strategies import DDPStrategy as LightningDDPStrategy
 
 from parallelkit.distributed.elastic import init_process_group_for_attempt
 from parallelkit.errors import ConfigError
+from parallelkit.models.plans import model_plans, parallel_model
 from parallelkit.ps import server as ps_server
 from parallelkit.ps.client import PSClient
 from parallelkit.ps.embedding import ShardedEmbedding, apply_parameter_server
@@ -41,25 +41,7 @@ from parallelkit.ps.roles import PSDims, init_rpc, rpc_name
 from parallelkit.strategies.base import LIGHTNING_BACKWARD, METRICS, model_state_bytes
 from parallelkit.strategies.ddp import DDPStrategy
 
-PLAN_FUNCTION = "parameter_server_tables"
 GRAD_ALLREDUCE = "grad_allreduce"
-
-
-def parameter_server_plan_of(model: torch.nn.Module) -> Callable[..., Any]:
-    """The ``parameter_server_tables`` function in the ``parallelize.py`` beside the model's class."""
-    package = type(model).__module__.rpartition(".")[0]
-    try:
-        plans = importlib.import_module(f"{package}.parallelize")
-    except ModuleNotFoundError:
-        plans = None
-    plan = getattr(plans, PLAN_FUNCTION, None)
-    if plan is None:
-        raise ConfigError(
-            f"strategy=ps needs sparse embedding tables for the servers to hold, but {type(model).__name__} declares "
-            f"none: define {PLAN_FUNCTION}(model, optimizer) in {package}.parallelize (module path → TableSpec of an "
-            "nn.EmbeddingBag). Models with one: model=ctr (with data=ctr)."
-        )
-    return plan
 
 
 def table_optimizer(factory: Callable[..., torch.optim.Optimizer]) -> dict[str, Any]:
@@ -93,6 +75,8 @@ class ParameterServerStrategy(DDPStrategy):
         timeout_s: collective, RPC and server idle timeout in seconds.
         rpc_threads: request threads per RPC agent.
         listen_interface: network interface of the RPC agents (default: loopback for a one-host job).
+        plan: where the model's table plan is (``mypkg.parallelize``); ``None``: the model's own methods, then
+            the ``parallelize`` module beside its class.
         process_group_backend: ``gloo``/``nccl`` for the workers' all-reduce; default from the device.
 
     Example::
@@ -103,7 +87,8 @@ class ParameterServerStrategy(DDPStrategy):
     strategy_name = "ps"
     capabilities = frozenset({LIGHTNING_BACKWARD})
 
-    def __init__(self, servers: int = 1, mode: str = "sync", geo_k_steps: int = 10, timeout_s: float = 180.0, rpc_threads: int = 16, listen_interface: str | None = None, process_group_backend: str | None = None) -> None:
+    def __init__(self, servers: int = 1, mode: str = "sync", geo_k_steps: int = 10, timeout_s: float = 180.0, rpc_threads: int = 16,
+                 listen_interface: str | None = None, plan: str | None = None, process_group_backend: str | None = None) -> None:
         if not isinstance(servers, int) or isinstance(servers, bool) or servers < 1:
             raise ConfigError(f"strategy.servers should be an int greater than 0. Got {servers!r}.")
         if mode not in ps_server.MODES:
@@ -116,6 +101,7 @@ class ParameterServerStrategy(DDPStrategy):
         self.geo_k_steps = geo_k_steps
         self.rpc_threads = rpc_threads
         self.listen_interface = listen_interface
+        self.plan_source = plan
         self.client: PSClient | None = None
         self._sharded: dict[str, ShardedEmbedding] = {}
         self._worker_group: Any = None
@@ -138,7 +124,18 @@ class ParameterServerStrategy(DDPStrategy):
             raise ConfigError("strategy=ps does not clip gradients: the sparse ones are on the servers. Set trainer.gradient_clip_val=null.")
 
     def check_model(self, model: torch.nn.Module, world_size: int) -> None:
-        parameter_server_plan_of(model)
+        model_plans(model, self.plan_source).require("parameter_server_tables", "strategy=ps")
+
+    def check_lightning_module(self, module: Any) -> None:
+        """The servers' per-row optimizer is built from the run's optimizer factory (``optim=``), which only
+        parallelkit's ``TrainModule`` carries; a LightningModule's own ``configure_optimizers`` cannot tell it."""
+        if not callable(getattr(module, "optimizer_factory", None)):
+            raise ConfigError(
+                f"strategy=ps cannot train {type(module).__name__} directly: the servers update their rows with the run's "
+                "optimizer (optim=...: SGD, Adagrad or Adam, per row), which a LightningModule's own configure_optimizers "
+                "does not describe. Give the model as an nn.Module (model._target_=mypkg.Net) with forward, loss and its "
+                "parameter_server_tables plan; parallelkit wraps it with optim=."
+            )
 
     def check_checkpoint(self, path: Any, shapes: dict[str, Any]) -> None:
         """A checkpoint resumes only with the servers' snapshot of its step beside it, written by as many servers as now."""
@@ -198,9 +195,10 @@ class ParameterServerStrategy(DDPStrategy):
     def setup(self, trainer: Any) -> None:
         self.accelerator.setup(trainer)
         module = self.lightning_module
-        tables = parameter_server_plan_of(module.model)(module.model, table_optimizer(module.optimizer_factory))
+        self.check_lightning_module(module)
+        tables = model_plans(module, self.plan_source).parameter_server_tables(table_optimizer(module.optimizer_factory))
         if self.is_server:
-            apply_parameter_server(module.model, tables)  # drop this copy's dense table: servers hold rows only
+            apply_parameter_server(parallel_model(module), tables)  # drop this copy's dense table: servers hold rows only
             self._serve()
             trainer.limit_train_batches = 0  # the fit loop on a server runs nothing
             trainer.num_sanity_val_steps = 0
@@ -208,7 +206,7 @@ class ParameterServerStrategy(DDPStrategy):
         dims = self.parallel_dims
         servers = [rpc_name(r) for r in dims.server_ranks()]
         self.client = PSClient(servers, self.global_rank, dims.workers, self.mode, self.geo_k_steps, self.comm_stats)
-        self._sharded = apply_parameter_server(module.model, tables, self.client)
+        self._sharded = apply_parameter_server(parallel_model(module), tables, self.client)
         for spec in tables.values():
             self.client.create_table(spec)
         self.model_to_device()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import importlib
 from typing import Any, Callable
 
 import torch
@@ -12,28 +11,9 @@ from parallelkit.distributed.grad_sync import apply_grad_allreduce
 from parallelkit.distributed.parallel_dims import DP, TP, ParallelDims
 from parallelkit.distributed.tensor_parallel import TensorParallel, TensorParallelPlan, apply_tp
 from parallelkit.errors import ConfigError
+from parallelkit.models.plans import model_plans
 from parallelkit.strategies.base import LIGHTNING_BACKWARD
 from parallelkit.strategies.mesh import MeshStrategy
-
-PLAN_FUNCTION = "tensor_parallel_plan"
-
-
-def tensor_parallel_plan_of(model: torch.nn.Module) -> Callable[..., TensorParallelPlan]:
-    """The ``tensor_parallel_plan`` function in the ``parallelize.py`` beside the model's class."""
-    package = type(model).__module__.rpartition(".")[0]
-    try:
-        plans = importlib.import_module(f"{package}.parallelize")
-    except ModuleNotFoundError:
-        plans = None
-    plan = getattr(plans, PLAN_FUNCTION, None)
-    if plan is None:
-        raise ConfigError(
-            f"strategy=tp needs a tensor parallel plan for {type(model).__name__}: define "
-            f"{PLAN_FUNCTION}(model, tp, *, sequence_parallel) in {package}.parallelize. "
-            "Models with one: model=gpt."
-        )
-    return plan
-
 
 class TensorParallelSteps:
     """Runs a strategy's steps inside its :class:`TensorParallel` handle's context (``self.tensor_parallel``).
@@ -74,7 +54,7 @@ class TensorParallelSteps:
 class TensorParallelStrategy(TensorParallelSteps, MeshStrategy):
     """Split every transformer layer over ``tp`` ranks; replicate that group ``dp`` times.
 
-    The model's plan (``tensor_parallel_plan`` in its ``parallelize.py``) is applied with
+    The model's plan (``tensor_parallel_plan``, found by :mod:`parallelkit.models.plans`) is applied with
     :func:`~parallelkit.distributed.tensor_parallel.apply_tp`; gradients are then averaged over the
     data-parallel axis only (tensor-parallel peers hold different shards and read the same batches).
     Forward, loss and backward run under the plan's context: ``loss_parallel`` for a vocabulary-parallel
@@ -86,6 +66,8 @@ class TensorParallelStrategy(TensorParallelSteps, MeshStrategy):
         dp: data-parallel degree; ``-1`` = the remaining ranks.
         sequence_parallel: also split LayerNorm/dropout regions along the sequence (all-gather and
             reduce-scatter instead of all-reduce; the sequence length must divide by ``tp``).
+        plan: where the model's plans are (``mypkg.parallelize``); ``None``: the model's own methods, then the
+            ``parallelize`` module beside its class (:mod:`parallelkit.models.plans`).
         **kwargs: :class:`~parallelkit.strategies.mesh.MeshStrategy` options (``timeout_s``, ...).
 
     Example::
@@ -96,7 +78,7 @@ class TensorParallelStrategy(TensorParallelSteps, MeshStrategy):
     strategy_name = "tp"
     capabilities = frozenset({LIGHTNING_BACKWARD})
 
-    def __init__(self, tp: int = 2, dp: int = -1, sequence_parallel: bool = False, **kwargs: Any) -> None:
+    def __init__(self, tp: int = 2, dp: int = -1, sequence_parallel: bool = False, plan: str | None = None, **kwargs: Any) -> None:
         if not isinstance(sequence_parallel, bool):
             raise ConfigError(f"strategy.sequence_parallel should be true or false. Got {sequence_parallel!r}.")
         for name in ("sharding", "pp", "ep"):
@@ -104,6 +86,7 @@ class TensorParallelStrategy(TensorParallelSteps, MeshStrategy):
                 raise ConfigError(f"strategy=tp takes only tp and dp degrees; strategy.{name}={kwargs[name]} would be ignored. Use strategy=hybrid4d to combine them.")
         super().__init__(dp=dp, tp=tp, **kwargs)
         self.sequence_parallel = sequence_parallel
+        self.plan_source = plan
         self.tensor_parallel: TensorParallel | None = None
 
     # ---------------------------------------------------------------- planning (before launch)
@@ -121,7 +104,7 @@ class TensorParallelStrategy(TensorParallelSteps, MeshStrategy):
         self._plan_for(model, self.plan(world_size).tp)
 
     def _plan_for(self, model: torch.nn.Module, tp: int) -> TensorParallelPlan:
-        return tensor_parallel_plan_of(model)(model, tp, sequence_parallel=self.sequence_parallel)
+        return model_plans(model, self.plan_source).tensor_parallel_plan(tp, sequence_parallel=self.sequence_parallel, who="strategy=tp")
 
     # ---------------------------------------------------------------- composition
     def parallelize(self, model: torch.nn.Module) -> None:

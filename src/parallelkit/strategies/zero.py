@@ -14,7 +14,8 @@ from typing import Any
 import torch
 
 from parallelkit.distributed.checkpoint_io import fqn_optimizer_states, load_unsharded
-from parallelkit.distributed.fsdp import apply_fsdp
+from parallelkit.distributed.blocks import select_units
+from parallelkit.distributed.fsdp import apply_fsdp, is_sharded
 from parallelkit.distributed.grad_sync import apply_grad_allreduce
 from parallelkit.distributed.parallel_dims import DP, SHARDING, ParallelDims
 from parallelkit.distributed.zero_optimizer import ZeroOptimizer
@@ -33,7 +34,13 @@ class ZeroStrategy(MeshStrategy):
         sharding_group: ranks per sharding group (``None``/-1: all ranks); must divide the world size.
         offload: ``none``; ``optimizer`` (stages 1-2: owned slices and optimizer state on the host, stepped
             there); ``params`` (stage 3: parameter shards, gradients and optimizer state on the host).
-        per_block: stage 3 wraps every transformer block as its own unit (else one unit for the model).
+        per_block: stage 3 shards the model unit by unit (the policy below) rather than as one unit.
+        shard_modules: stage 3 sharding units by class: every module of these classes (names or
+            ``module.ClassName`` paths), like FSDP's ``ModuleWrapPolicy``.
+        shard_min_params: stage 3 sharding units by size: bottom-up, every module holding at least this many
+            parameters not in a smaller unit, like FSDP's ``size_based_auto_wrap_policy``. With neither, the
+            units are the model's repeated blocks (children of its ``ModuleList``/``ModuleDict``s), unless the
+            LightningModule shards itself in ``configure_model`` (then its own units are kept).
         reshard_after_forward: stage 3 frees gathered parameters after forward and gathers them again
             for backward (ZeRO-3); ``False`` keeps them until after backward (less traffic, more memory).
         bucket_cap_mb: stages 0-2 gradient/parameter bucket size (communication fusion).
@@ -51,6 +58,8 @@ class ZeroStrategy(MeshStrategy):
         sharding_group: int | None = None,
         offload: str = "none",
         per_block: bool = True,
+        shard_modules: list[str] | None = None,
+        shard_min_params: int | None = None,
         reshard_after_forward: bool = True,
         bucket_cap_mb: float = 25.0,
         save_distributed_checkpoint: bool = True,
@@ -73,11 +82,14 @@ class ZeroStrategy(MeshStrategy):
             raise ConfigError(f"strategy.sharding_group must be a positive int (ranks per sharding group) or null/-1 (all ranks). Got {sharding_group!r}.")
         if not isinstance(bucket_cap_mb, (int, float)) or bucket_cap_mb <= 0:
             raise ConfigError(f"strategy.bucket_cap_mb should be a number greater than 0. Got {bucket_cap_mb!r}.")
+        check_unit_policy(stage, per_block, shard_modules, shard_min_params)
         super().__init__(save_distributed_checkpoint=save_distributed_checkpoint, timeout_s=timeout_s, process_group_backend=process_group_backend)
         self.stage = stage
         self.sharding_group = None if sharding_group in (None, -1) else sharding_group
         self.offload = offload
         self.per_block = per_block
+        self.shard_modules = list(shard_modules) if shard_modules else None
+        self.shard_min_params = shard_min_params
         self.reshard_after_forward = reshard_after_forward
         self.bucket_cap_mb = float(bucket_cap_mb)
         # Stages 0-2 keep full parameters on every rank between steps; stage 3 keeps shards only.
@@ -107,11 +119,23 @@ class ZeroStrategy(MeshStrategy):
             apply_fsdp(
                 model,
                 mesh,
-                per_block=self.per_block,
+                units=self._sharding_units(model),
                 reshard_after_forward=self.reshard_after_forward,
                 offload_params=self.offload == "params",
                 comm_stats=self.comm_stats,
             )
+
+    def _sharding_units(self, model: torch.nn.Module) -> list[torch.nn.Module]:
+        if is_sharded(model):  # the LightningModule's configure_model chose its units: keep them
+            if self.shard_modules or self.shard_min_params is not None:
+                raise ConfigError(
+                    f"{type(self.lightning_module).__name__}.configure_model already shards the model (fully_shard), and "
+                    "strategy.shard_modules / strategy.shard_min_params would choose other units. Use one or the other."
+                )
+            return []
+        if not self.per_block:
+            return []
+        return select_units(model, shard_modules=self.shard_modules, min_params=self.shard_min_params)
 
     def shard_optimizers(self) -> None:
         if self.stage not in (1, 2):
@@ -181,6 +205,21 @@ class ZeroStrategy(MeshStrategy):
     def _zero_for(self, optimizer: Any) -> ZeroOptimizer | None:
         optimizer = getattr(optimizer, "_optimizer", optimizer)  # LightningOptimizer
         return next((z for z in self.zero_optimizers if z.optimizer is optimizer), None)
+
+
+def check_unit_policy(stage: int, per_block: bool, shard_modules: Any, shard_min_params: Any) -> None:
+    """The stage-3 unit policy settings, before any process starts: each must be able to take effect."""
+    if shard_modules is not None and (isinstance(shard_modules, str) or not all(isinstance(n, str) and n for n in shard_modules)):
+        raise ConfigError(f"strategy.shard_modules should be a list of class names, e.g. [Block] or [mypkg.net.Block]. Got {shard_modules!r}.")
+    if shard_min_params is not None and (not isinstance(shard_min_params, int) or isinstance(shard_min_params, bool) or shard_min_params < 1):
+        raise ConfigError(f"strategy.shard_min_params should be an int greater than 0 (parameters per sharding unit) or null. Got {shard_min_params!r}.")
+    chosen = [name for name, value in (("shard_modules", shard_modules), ("shard_min_params", shard_min_params)) if value]
+    if chosen and stage != 3:
+        raise ConfigError(f"strategy.{chosen[0]} chooses ZeRO-3's sharding units, but strategy.stage={stage} does not shard parameters. Use strategy.stage=3, or drop it.")
+    if len(chosen) == 2:
+        raise ConfigError("strategy.shard_modules and strategy.shard_min_params are two policies for the same units; set one of them.")
+    if chosen and not per_block:
+        raise ConfigError(f"strategy.per_block=false makes the whole model one sharding unit, so strategy.{chosen[0]} cannot take effect. Drop one of them.")
 
 
 class _ReduceGradients:
