@@ -180,7 +180,7 @@ def main(argv: list[str] | None = None) -> None:
     (RESULTS / f"comm_efficiency{suffix}.json").write_text(json.dumps(out, indent=2))
     plot(results, RESULTS / f"comm_efficiency{suffix}.png")
     print()
-    print(f"| run | bytes sent / rank / step | ratio to dense | final val loss | vs dense |")
+    print("| run | bytes sent / rank / step | ratio to dense | final val loss | vs dense |")
     print("|---|---:|---:|---:|---:|")
     for name, r in results.items():
         extra = ""

@@ -1,25 +1,23 @@
-"""Every hybrid4d layout of one GPT on 8 ranks: measured bytes against the planner's estimates, and its choice.
+"""Every hybrid4d layout of one GPT on 8 ranks: measured step time and bytes against the calibrated planner.
 
 For ``model=gpt`` (4 layers, 4 heads, width 128, sequence 64, global batch 32 — the config defaults) on 8
-processes, :func:`parallelkit.auto_plan.choose_layout` lists every ``dp × sharding × tp × pp = 8`` and the
-layouts ``strategy=hybrid4d`` can run, with its estimates. Each runnable layout is then trained for a few
-steps with ``python train.py strategy=hybrid4d ...`` (the same micro-batches the planner assumed), and the
-table puts side by side, per layout:
+processes, the planner (:mod:`parallelkit.planner`) costs every ``dp × sharding × tp × pp = 8`` on a hardware
+profile of *this machine* — measured first with ``python -m parallelkit.plan --calibrate`` (or given with
+``--hardware PATH``) — and picks each layout's best batch cut (pipeline micro-batches, gradient accumulation).
+Each layout hybrid4d can run is then trained for a few steps with ``python train.py strategy=hybrid4d ...`` at
+that cut, and the table puts side by side, per layout:
 
-- model-state bytes of the most loaded rank (params + grads + optimizer): the estimate against
-  ``summary.json`` ``model_state_bytes`` (max over ranks of each), with the ratio estimate / measured;
-- bytes sent per step on each axis by global rank 0 (``summary.json`` ``comm`` is rank 0's own counter; rank 0
-  is the first pipeline stage, which sends activations forward only): the planner's estimate for that rank
-  against ``comm.by_kind``, kinds mapped to axes — dp ``grad_allreduce``/``grad_all_reduce``, sharding ``grad_reduce_scatter`` +
-  ``param_all_gather``, tp every ``tp*`` kind, pp ``pp_p2p`` (loss broadcast and metrics are left out);
-- the measured median step time and the planner's estimated step time and rank.
+- the measured median step time and the planner's estimate, with both rankings; their Spearman rank correlation
+  is the planner's score here (the issue asks for ≥ 0.7);
+- model-state bytes of the most loaded rank (``summary.json`` ``model_state_bytes``) against the estimate;
+- bytes rank 0 sends per step on each axis (``comm.by_kind``, rank 0's own counter) against the estimate for
+  pipeline rank 0 — dp ``grad_allreduce``/``grad_all_reduce``, sharding ``grad_reduce_scatter`` +
+  ``param_all_gather``, tp every ``tp*`` kind, pp ``pp_p2p``.
 
-The planner's choice (what ``strategy=auto trainer.devices=8`` trains with) is marked.
+    python bench/hybrid.py --steps 3                     # calibrate (~1 min), then every layout (~7 min on 2 cores)
+    python bench/hybrid.py --hardware bench/results/hardware_calibrated.yaml   # reuse a profile
 
-    python bench/hybrid.py                  # every runnable layout, 3 steps each (~10-15 min on 2 shared cores)
-    python bench/hybrid.py --steps 2        # quicker
-
-Writes ``bench/results/hybrid.json`` and prints a Markdown table for the README.
+Writes ``bench/results/hybrid.json`` (and the profile) and prints a Markdown table for the README.
 """
 
 from __future__ import annotations
@@ -35,6 +33,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 AXES = ("dp", "sharding", "tp", "pp")
 WORKLOAD = ["model=gpt", "data=chars"]
+PROFILE = ROOT / "bench" / "results" / "hardware_calibrated.yaml"
 
 
 def axis_of(kind: str) -> str | None:
@@ -59,6 +58,27 @@ def measured_comm(summary: dict) -> dict[str, float]:
     return out
 
 
+def spearman(xs: list[float], ys: list[float]) -> float:
+    """Spearman's rank correlation (average ranks for ties)."""
+    def ranks(values: list[float]) -> list[float]:
+        order = sorted(range(len(values)), key=values.__getitem__)
+        out = [0.0] * len(values)
+        i = 0
+        while i < len(order):
+            j = i
+            while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
+                j += 1
+            for k in range(i, j + 1):
+                out[order[k]] = (i + j) / 2
+            i = j + 1
+        return out
+
+    rx, ry = ranks(xs), ranks(ys)
+    mx, my = sum(rx) / len(rx), sum(ry) / len(ry)
+    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
+    return cov / (sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry)) ** 0.5
+
+
 def train(overrides: list[str], run_dir: Path, steps: int, timeout: float) -> dict:
     command = [sys.executable, str(ROOT / "train.py"), *WORKLOAD, *overrides, "trainer.devices=8",
                f"trainer.max_steps={steps}", "trainer.limit_val_batches=0", f"trainer.log_every_n_steps={steps}",
@@ -69,47 +89,62 @@ def train(overrides: list[str], run_dir: Path, steps: int, timeout: float) -> di
     return json.loads((run_dir / "summary.json").read_text())
 
 
+def overrides_of(layout) -> list[str]:
+    out = ["strategy=hybrid4d", *(f"strategy.{k}={v}" for k, v in layout.degrees.items())]
+    if layout.pp > 1:
+        out += [f"strategy.microbatches={layout.microbatches}", f"strategy.schedule={layout.schedule}"]
+        if layout.virtual_stages > 1:
+            out.append(f"strategy.virtual_stages={layout.virtual_stages}")
+    else:
+        out.append(f"trainer.accumulate_grad_batches={layout.accumulate}")
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=3, help="optimizer steps per layout (≥ 2: step time needs two)")
+    p.add_argument("--hardware", type=Path, help="a calibrated profile to use instead of calibrating now")
     p.add_argument("--timeout", type=float, default=600)
     args = p.parse_args(argv)
 
     from parallelkit.auto_plan import choose_layout
     from parallelkit.plan import compose_config
-    from parallelkit.strategies.auto import AutoStrategy
+    from parallelkit.planner.hardware import load_profile
+    from parallelkit.planner.report import best_per_layout
 
+    profile = args.hardware
+    if profile is None:
+        profile = PROFILE
+        start = time.time()
+        subprocess.run([sys.executable, "-m", "parallelkit.plan", "--calibrate", *WORKLOAD, "trainer.devices=8", "--out", str(profile)],
+                       cwd=ROOT, check=True, capture_output=True, text=True, timeout=args.timeout)
+        print(f"calibrated this machine in {time.time() - start:.0f} s: {profile}", file=sys.stderr, flush=True)
+    hardware = load_profile(str(profile))
     cfg = compose_config([*WORKLOAD, "strategy=auto"])
-    auto = AutoStrategy()
-    hardware = auto.resolve_hardware(8)  # this machine's defaults, as strategy=auto trainer.devices=8 uses
     plan = choose_layout(cfg, 8, hardware)
-    runnable = [c for c in plan.candidates if c.invalid is None]
-    rank_of = {id(c): i for i, c in enumerate(runnable, 1)}
+    runnable = [c for c in best_per_layout(plan) if c.invalid is None and c.fits]
     results = {"workload": {"overrides": WORKLOAD, "world_size": 8, "steps": args.steps, "num_params": plan.num_params},
-               "hardware": vars(hardware), "chosen": plan.chosen.degrees,
-               "not_runnable": [{"degrees": c.degrees, "why": c.invalid} for c in plan.candidates if c.invalid],
+               "hardware": hardware.as_dict(), "chosen": plan.chosen.layout.as_dict(),
+               "not_runnable": [{"degrees": c.degrees, "why": c.invalid} for c in best_per_layout(plan) if c.invalid],
                "layouts": []}
     with tempfile.TemporaryDirectory(prefix="pk_bench_hybrid_") as tmp:
         for i, c in enumerate(runnable):
-            overrides = ["strategy=hybrid4d", *(f"strategy.{k}={v}" for k, v in c.degrees.items()),
-                         f"strategy.microbatches={c.microbatches}"]
             start = time.time()
-            summary = train(overrides, Path(tmp) / f"layout{i}", args.steps, args.timeout)
+            summary = train(overrides_of(c.layout), Path(tmp) / f"layout{i}", args.steps, args.timeout)
             print(f"[{i + 1}/{len(runnable)}] {c.label}: {time.time() - start:.0f} s", file=sys.stderr, flush=True)
             state = sum(summary["model_state_bytes"].values())
             comm = measured_comm(summary)
-            rank0 = c.comm_bytes_by_pp_rank[0]  # global rank 0 has pp coordinate 0 in every mesh order
+            rank0 = c.time.comm_bytes_by_rank[0]  # global rank 0 has pp coordinate 0 in every mesh order
             results["layouts"].append({
-                "degrees": c.degrees, "microbatches": c.microbatches, "chosen": c is plan.chosen,
-                "planner_rank": rank_of[id(c)], "fits": c.fits,
-                "estimated_state_bytes": c.memory["state"], "measured_state_bytes": state,
-                "state_ratio": c.memory["state"] / state,
-                "estimated_comm_bytes": rank0, "measured_comm_bytes": comm,
-                "estimated_comm_bytes_busiest_rank": c.comm_bytes,
+                "layout": c.layout.as_dict(), "label": c.label, "chosen": c is plan.chosen,
+                "estimated_state_bytes": c.memory["state"], "measured_state_bytes": state, "state_ratio": c.memory["state"] / state,
+                "estimated_comm_bytes": {a: rank0[a] for a in AXES}, "measured_comm_bytes": comm,
                 "comm_ratio": {a: (rank0[a] / comm[a] if comm[a] else None) for a in AXES if rank0[a] or comm[a]},
-                "estimated_step_time_s": c.total_time, "measured_step_time_s": summary["step_time_s_median"],
-                "measured_dims": summary["dims"], "train_loss": summary["train_loss"],
+                "estimated_step_time_s": c.total_time, "estimated_time_terms_s": c.time.as_dict(),
+                "measured_step_time_s": summary["step_time_s_median"], "measured_dims": summary["dims"], "train_loss": summary["train_loss"],
             })
+    rows = results["layouts"]
+    results["spearman"] = spearman([r["estimated_step_time_s"] for r in rows], [r["measured_step_time_s"] for r in rows])
     out = ROOT / "bench" / "results" / "hybrid.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2))
@@ -122,28 +157,32 @@ def _kib(n: float) -> str:
 
 
 def markdown(results: dict) -> str:
+    rows = results["layouts"]
+    measured_rank = {id(r): i for i, r in enumerate(sorted(rows, key=lambda r: r["measured_step_time_s"]), 1)}
+    estimated_rank = {id(r): i for i, r in enumerate(sorted(rows, key=lambda r: r["estimated_step_time_s"]), 1)}
     lines = [
-        "| layout (dp×sh×tp×pp) | state KiB, max rank: est. / meas. (ratio) | comm KiB/step of rank 0: est. / meas. (ratio) per axis "
-        "| step ms meas. | planner est. ms (rank) |",
-        "|---|---|---|---|---|",
+        "| layout (dp×sh×tp×pp) | cut | step ms measured (rank) | planner estimate ms (rank) | state KiB, max rank: est. / meas. (ratio) "
+        "| comm KiB/step of rank 0: est. / meas. (ratio) per axis |",
+        "|---|---|---:|---:|---|---|",
     ]
-    for row in results["layouts"]:
-        d = row["degrees"]
-        layout = "×".join(str(d[a]) for a in AXES) + (" **← auto**" if row["chosen"] else "")
+    for r in sorted(rows, key=lambda r: r["measured_step_time_s"]):
+        d = r["layout"]
+        layout = "×".join(str(d[a]) for a in AXES) + (" **← auto**" if r["chosen"] else "")
+        cut = f"{d['micro_batch']}×{d['microbatches']} micro-batches" if d["pp"] > 1 else (f"accumulate {d['accumulate']}" if d["accumulate"] > 1 else "—")
         comm = "; ".join(
-            f"{a} {_kib(row['estimated_comm_bytes'][a])} / {_kib(row['measured_comm_bytes'][a])}"
-            + (f" ({row['comm_ratio'][a]:.2f})" if row["comm_ratio"].get(a) else "")
-            for a in AXES if a in row["comm_ratio"]) or "none"
+            f"{a} {_kib(r['estimated_comm_bytes'][a])} / {_kib(r['measured_comm_bytes'][a])}"
+            + (f" ({r['comm_ratio'][a]:.2f})" if r["comm_ratio"].get(a) else "")
+            for a in AXES if a in r["comm_ratio"]) or "none"
         lines.append(
-            f"| {layout} | {_kib(row['estimated_state_bytes'])} / {_kib(row['measured_state_bytes'])} "
-            f"({row['state_ratio']:.2f}) | {comm} | {row['measured_step_time_s'] * 1e3:.0f} | "
-            f"{row['estimated_step_time_s'] * 1e3:.1f} ({row['planner_rank']}) |"
+            f"| {layout} | {cut} | {r['measured_step_time_s'] * 1e3:.0f} ({measured_rank[id(r)]}) | "
+            f"{r['estimated_step_time_s'] * 1e3:.1f} ({estimated_rank[id(r)]}) | {_kib(r['estimated_state_bytes'])} / "
+            f"{_kib(r['measured_state_bytes'])} ({r['state_ratio']:.2f}) | {comm} |"
         )
-    ratios = [r["state_ratio"] for r in results["layouts"]] + [
-        v for r in results["layouts"] for v in r["comm_ratio"].values() if v]
+    ratios = [r["state_ratio"] for r in rows] + [v for r in rows for v in r["comm_ratio"].values() if v]
     lines.append("")
-    lines.append(f"Estimate / measured over all layouts and axes: {min(ratios):.2f} – {max(ratios):.2f}. "
-                 f"{len(results['not_runnable'])} layouts hybrid4d cannot run were skipped.")
+    lines.append(f"Spearman rank correlation of estimated and measured step times over the {len(rows)} layouts: "
+                 f"**{results['spearman']:.2f}**. Byte estimate / measured over all layouts and axes: {min(ratios):.2f} – "
+                 f"{max(ratios):.2f}. {len(results['not_runnable'])} layouts hybrid4d cannot run were skipped.")
     return "\n".join(lines)
 
 

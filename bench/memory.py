@@ -3,9 +3,11 @@
 For N = 2 and 4 ranks it runs ``train.py`` (``model=gpt``, the default size) with ``strategy=ddp`` and
 ``strategy=zero strategy.stage=1|2|3`` and reads ``summary.json``:
 
-* memory: ``model_state_bytes`` (params + grads + optimizer, everything the strategy keeps per rank) beside
-  the formula for fp32 Adam with Ψ parameters (DP 16Ψ, stage 1 8Ψ+8Ψ/N, stage 2 4Ψ+12Ψ/N, stage 3 16Ψ/N);
-* traffic: counted bytes sent per step and rank beside the theory (DP and stages 1-2: 2(N−1)/N·4Ψ,
+* memory: ``model_state_bytes`` (params + grads + optimizer, everything the strategy keeps per rank, DDP's
+  gradient buckets included) beside the formula for fp32 Adam with Ψ parameters (DP 16Ψ, stage 1 8Ψ+8Ψ/N,
+  stage 2 4Ψ+12Ψ/N, stage 3 16Ψ/N);
+* traffic: counted bytes sent per step and rank (at the algorithms gloo runs, its message headers included)
+  beside the theory (DP and stages 1-2: 2(N−1)/N·4Ψ,
   stage 3: 1.5× that), and the bytes that really left each process (``summary.json`` ``os_bytes_written``:
   the kernel's count of what the process handed to ``write``/``writev``, which gloo's TCP transport sends
   with), per step, from the difference of a long and a short run (which cancels start-up traffic and the
@@ -32,7 +34,9 @@ RESULTS = REPO / "bench" / "results"
 LOOPBACK = Path("/sys/class/net/lo/statistics/tx_bytes")
 
 CONTENDERS = {  # name → (strategy overrides, ZeRO stage of the formula)
+    # DDP's default keeps its gradient buckets besides p.grad (4Ψ more than the formula's DP)
     "DP (ddp)": (["strategy=ddp"], 0),
+    "DP (ddp, gradient_as_bucket_view)": (["strategy=ddp", "strategy.gradient_as_bucket_view=true"], 0),
     "zero stage 1": (["strategy=zero", "strategy.stage=1"], 1),
     "zero stage 2": (["strategy=zero", "strategy.stage=2"], 2),
     "zero stage 3": (["strategy=zero", "strategy.stage=3"], 3),

@@ -5,7 +5,8 @@ tp = 4, with and without sequence parallel, and tp = 2 × dp = 2. From each ``su
 tensor-parallel collectives that ran inside transformer blocks (``comm.by_kind`` ``tp_block.*``, counted
 by parallelkit from what DTensor issued, forward and backward), divided by the number of layers, and
 compares the bytes with Megatron-LM's 8·b·s·h·(t−1)/t elements per layer per step (b = micro-batch
-per tp group, s = sequence, h = hidden size). It also shows the whole ``comm.bytes_sent_per_step``
+per tp group, s = sequence, h = hidden size). The bytes are what gloo writes (docs/traffic.md): its message
+headers on top, and with sequence parallel 1.5× the formula, as its reduce-scatter is an all-reduce. It also shows the whole ``comm.bytes_sent_per_step``
 (blocks + vocabulary-parallel embedding, output layer and loss + data parallel), and the parameter bytes
 per rank against "replicated + sharded / T" (sharded = the layers the plan splits), and checks that the
 losses equal ``strategy=single``'s.
@@ -142,7 +143,7 @@ def markdown(results: dict) -> str:
     lines = [
         f"GPT n_layer={w['n_layer']} n_head={w['n_head']} n_embd={w['n_embd']}, seq_len={w['seq_len']}, global batch "
         f"{w['global_batch_size']}, vocab {results['single']['vocab_size']}, {w['steps']} steps, fp32; bytes are what "
-        "each rank sends (ring), per step.",
+        "each rank writes (gloo's algorithms and message headers), per step.",
         "",
         "| layout | collectives per layer per step (measured) | block bytes per layer | Megatron 8·b·s·h·(t−1)/t | ratio "
         "| all TP+DP bytes per step / (layers × formula) | params per rank | replicated + sharded / T | loss vs single |",

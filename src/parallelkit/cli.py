@@ -11,11 +11,12 @@ from typing import Callable
 
 from omegaconf import DictConfig, OmegaConf
 
-from parallelkit.errors import ConfigError, TrainingDiverged
+from parallelkit.errors import ConfigError, TrainingDiverged, WriteFailed
 
 EXIT_CONFIG_ERROR = 2
 EXIT_PEER_FAILURE = 3
 EXIT_DIVERGED = 4  # the loss became NaN/inf
+EXIT_WRITE_FAILED = 5  # an output (a checkpoint) could not be written; the previous one is intact
 EXIT_SIGTERM = 128 + 15  # the shell's convention for a process ended by SIGTERM
 MAX_RUN_NAME = 120
 
@@ -51,6 +52,24 @@ def rank_zero_value(value: str) -> str | None:
     return value if launcher_rank() == 0 else None
 
 
+_CONFIG_SUBDIRS: dict[str, str] = {}  # run directory → this process's choice (Hydra reads the setting twice)
+
+
+def config_subdir(output_dir: str) -> str | None:
+    """Where Hydra writes this job's composed config, on rank 0 (``None`` elsewhere): ``.hydra``, or ``.hydra-2``,
+    ``.hydra-3``, ... when an earlier run in the same directory (a resume, a repeated run) holds ``.hydra``:
+    Hydra would overwrite that record of how the earlier run was started."""
+    if launcher_rank() != 0:
+        return None
+    if output_dir not in _CONFIG_SUBDIRS:
+        name, n = ".hydra", 1
+        while os.path.exists(os.path.join(output_dir, name)):
+            n += 1
+            name = f".hydra-{n}"
+        _CONFIG_SUBDIRS[output_dir] = name
+    return _CONFIG_SUBDIRS[output_dir]
+
+
 # The configs an installed parallelkit carries: the repository's conf/, shipped as the package parallelkit.conf
 # (pyproject.toml, setup.py). train.py reads its checkout's conf/ directly instead (see there).
 PACKAGED_CONFIGS = "pkg://parallelkit.conf"
@@ -81,15 +100,35 @@ def hydra_main(config_path: str) -> Callable[[], None]:
 
 
 def register_resolvers() -> None:
-    for name, fn in (("pk_run_name", run_name), ("pk_rank_suffix", rank_suffix), ("pk_rank_zero", rank_zero_value)):
+    for name, fn in (("pk_run_name", run_name), ("pk_rank_suffix", rank_suffix), ("pk_rank_zero", rank_zero_value),
+                     ("pk_config_subdir", config_subdir)):
         if not OmegaConf.has_resolver(name):
             OmegaConf.register_new_resolver(name, fn)
 
 
+# Whether a job of this process failed with an exception (Hydra reports it and exits 1): tells exit_after
+# Hydra's own exit 1 for a bug in a job from its exit 1 for a command line that did not compose.
+_job_raised = False
+
+
 def run_or_explain(cfg: DictConfig) -> None:
     """Run; a :class:`ConfigError` becomes one paragraph on stderr and exit code 2, not a traceback."""
-    from parallelkit import local_launch
+    global _job_raised
+    try:
+        _run_or_explain(cfg)
+    except SystemExit as stop:
+        _job_raised = stop.code not in (0, None)
+        raise
+    except BaseException:
+        _job_raised = True
+        raise
 
+
+def _run_or_explain(cfg: DictConfig) -> None:
+    from parallelkit import local_launch
+    from parallelkit.console import quiet_console
+
+    quiet_console()  # logging is configured now (Hydra's, or an early child's copy of it): each line once
     saved_env = dict(os.environ)
     early = local_launch.wants_early_launch(cfg, already=local_launch.started())
     if early:  # before the heavy imports below (if train.py has not already started them)
@@ -113,6 +152,10 @@ def run_or_explain(cfg: DictConfig) -> None:
     except TrainingDiverged as err:
         print(f"parallelkit: error: {err}", file=sys.stderr, flush=True)
         raise SystemExit(EXIT_DIVERGED) from None
+    except WriteFailed as err:
+        if err.report:  # every rank learns of a sharded write's failure; one of them says it
+            print(f"parallelkit: error: {err}", file=sys.stderr, flush=True)
+        raise SystemExit(EXIT_WRITE_FAILED) from None
     except RuntimeError as err:
         if not is_peer_failure(err):
             raise
@@ -150,12 +193,18 @@ def exit_after(main: Callable[[], None]) -> None:
     gloo's process-group destructors abort (SIGABRT) about once in five runs while Python shuts down,
     after all work is done. A run that finished must exit 0 every time, so once ``main`` returns (its
     outputs written, the process group destroyed) the process ends with ``os._exit``.
+
+    Hydra reports a command line that does not compose (``model=nope``, a misspelt key) with its own message
+    and exit code 1, before any job runs; that is bad input, so it leaves with 2, as parallelkit's own
+    errors do. An exit 1 after a job raised stays 1 (Hydra printed the job's error).
     """
     code = 0
     try:
         main()
     except SystemExit as stop:
         code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
+        if code == 1 and not _job_raised and type(stop) is SystemExit:
+            code = EXIT_CONFIG_ERROR
         if type(stop).__name__ == "SIGTERMException":  # Lightning's, a SystemExit(None): not a finished run
             code = EXIT_SIGTERM
         if isinstance(stop.code, str):

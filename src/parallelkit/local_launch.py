@@ -278,7 +278,8 @@ def _host_store() -> None:
     server is multi-tenant, so the store ``init_process_group`` creates on rank 0 (same port, also
     multi-tenant) shares it instead of binding the port again. ``wait_for_workers=False``: this handle does
     not count as a worker. If it cannot start (the port was taken meanwhile), ``init_process_group`` will
-    say so itself.
+    say so itself. It listens on ``MASTER_ADDR``'s address only (loopback by default), not on every interface
+    as torch's own server would (:mod:`parallelkit.distributed.listeners`).
     """
     global _store
     try:
@@ -286,8 +287,12 @@ def _host_store() -> None:
 
         import torch.distributed as dist
 
-        _store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=True,
-                               wait_for_workers=False, multi_tenant=True, timeout=timedelta(seconds=60))
+        from parallelkit.distributed.listeners import host_store, listen_address
+
+        addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+        address = listen_address(addr, one_machine=True)
+        _store = host_store(address, port) if address else dist.TCPStore(
+            addr, port, is_master=True, wait_for_workers=False, multi_tenant=True, timeout=timedelta(seconds=60))
     except Exception:  # noqa: BLE001 - an optimisation: the usual rendezvous still works (or explains)
         _store = None
 
@@ -324,6 +329,9 @@ def finish(timeout_s: float = 60.0) -> None:
         _send(child, b"")
     _children.clear()
     _store = None  # the server stops once the process group's own handle is gone too
+    from parallelkit.distributed.listeners import release_stores
+
+    release_stores()
     if _env_before is not None:
         os.environ.clear()
         os.environ.update(_env_before)

@@ -15,7 +15,10 @@ torch's ``fake`` process-group backend (so 64 or 1024 ranks cost nothing), build
   elements per layer, PP ``b·s·h`` activations (forward) and gradients (backward) per stage boundary, EP
   dispatch + combine all-to-alls.
 
-It also writes a PNG drawing the rank grid coloured by each axis (``--png PATH``).
+It also writes a PNG drawing the rank grid coloured by each axis (``--png PATH``). With ``strategy=auto`` it first
+prints the automatic planner's ranking (``--json PATH`` writes every candidate); ``--calibrate`` measures this
+machine into a hardware profile instead (:mod:`parallelkit.planner.cli`). torch is imported only by the per-rank
+dry run, so that a plan of thousands of ranks is arithmetic.
 """
 
 from __future__ import annotations
@@ -27,11 +30,13 @@ import math
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from parallelkit.distributed.parallel_dims import DP, EP, PP, SHARDING, TP, ParallelDims
+from parallelkit.planner.workload import optimizer_slots  # one definition, shared with the planner
+
+if TYPE_CHECKING:
+    import torch
 
 AXES = (DP, SHARDING, TP, PP, EP)
 
@@ -139,10 +144,6 @@ def expert_param_names(model: torch.nn.Module, plan_source: Any = None) -> set[s
     return {n for n, p in model.named_parameters() if id(p) in ids}
 
 
-def optimizer_slots(optim_target: str) -> int:
-    """fp32 tensors of optimizer state per parameter element: Adam(W) 2 (both moments), SGD 1 (momentum)."""
-    name = optim_target.rsplit(".", 1)[-1].lower()
-    return 2 if "adam" in name else 1
 
 
 def rank_state_bytes(model, dims, coords, options) -> tuple[dict[str, int], int, int]:
@@ -193,6 +194,7 @@ def rank_comm_bytes(dims, coords, local_bytes, options, expert_bytes: int = 0) -
 def build_workload(cfg: Any, data_parallel_size: int = 1) -> tuple[Any, torch.nn.Module]:
     """The composed run's data module, configured for ``data_parallel_size`` (the data sets decide the
     vocabulary), and its model on the ``meta`` device (no memory)."""
+    import torch
     from hydra.utils import instantiate
 
     datamodule = instantiate(cfg.data)
@@ -206,9 +208,13 @@ def model_shape(model: torch.nn.Module, datamodule: Any) -> dict[str, int]:
     """The sizes the estimates need: sequence length, width, heads, layers, vocabulary, MoE top-k."""
     config = getattr(model, "config", None)
     kwargs = datamodule.model_kwargs()
-    return {"seq_len": kwargs.get("block_size", 1), "n_embd": getattr(config, "n_embd", 0),
-            "n_head": getattr(config, "n_head", 1), "n_layer": getattr(config, "n_layer", 0),
-            "vocab_size": kwargs.get("vocab_size", 0), "top_k": getattr(model, "top_k", 1)}
+
+    def size(*names: str, default: int) -> int:  # parallelkit's GPT config, or a transformers config's names
+        return next((int(getattr(config, n)) for n in names if getattr(config, n, None) is not None), default)
+
+    return {"seq_len": kwargs.get("block_size", 1), "n_embd": size("n_embd", "hidden_size", default=0),
+            "n_head": size("n_head", "num_attention_heads", default=1), "n_layer": size("n_layer", "num_hidden_layers", default=0),
+            "vocab_size": kwargs.get("vocab_size", 0), "top_k": getattr(model, "top_k", None) or size("num_experts_per_tok", default=1)}
 
 
 def plan_options(model: torch.nn.Module, dims: ParallelDims, *, shape: dict[str, int], rank_batch: int, slots: int,
@@ -243,15 +249,22 @@ def plan_options(model: torch.nn.Module, dims: ParallelDims, *, shape: dict[str,
     if key not in cache:
         stage_names = {r: stage_param_names(model, dims, r, options) for r in range(dims.pp)}
         stage_ids = {r: stage_ids_for_rank(r, dims.pp, vs, schedule) if dims.pp > 1 else [0] for r in range(dims.pp)}
-        block_names = {n.split(".")[1] for n, _ in model.named_parameters() if n.startswith("layers.")}
+        blocks = block_names(model)
         moe = set(getattr(model, "moe_layers", dict)())
-        layers = {r: sum(1 for i in block_names if any(n.startswith(f"layers.{i}.") for n in names))
-                  for r, names in stage_names.items()}
+        layers = {r: sum(1 for b in blocks if any(n.startswith(f"{b}.") for n in names)) for r, names in stage_names.items()}
         moe_layers = {r: sum(1 for m in moe if any(n.startswith(m + ".") for n in names)) for r, names in stage_names.items()}
         cache[key] = (stage_names, stage_ids, layers, moe_layers)
     (options["stage_names"], options["stage_ids"], options["layers_per_pp_rank"],
      options["moe_layers_per_pp_rank"]) = cache[key]
     return options
+
+
+def block_names(model: torch.nn.Module) -> list[str]:
+    """Qualified names of the model's repeated blocks (``layers.0``, ``hf.model.layers.0``: the units FSDP2 shards)."""
+    from parallelkit.distributed.blocks import repeated_blocks
+
+    ids = {id(b) for b in repeated_blocks(model)}
+    return [name for name, module in model.named_modules() if id(module) in ids]
 
 
 def build_plan(overrides: list[str]) -> Plan:
@@ -317,6 +330,7 @@ def draw_plan(plan: Plan, path: Path) -> Path:
     """One panel per axis: the rank grid, each cell coloured by the rank's index on that axis, labelled
     with its rank."""
     import matplotlib
+    import torch
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -349,23 +363,10 @@ def draw_plan(plan: Plan, path: Path) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from parallelkit.errors import ConfigError
+    """``python -m parallelkit.plan [overrides] [--png PATH] [--json PATH] [--top N] [--calibrate [--out PATH]]``."""
+    from parallelkit.planner.cli import main as planner_main
 
-    args = list(sys.argv[1:] if argv is None else argv)
-    png = None
-    if "--png" in args:
-        i = args.index("--png")
-        png = Path(args[i + 1])
-        del args[i : i + 2]
-    try:
-        plan = build_plan(args)
-    except ConfigError as err:
-        print(f"Error: {err}", file=sys.stderr)
-        return 2
-    print(format_plan(plan))
-    out = draw_plan(plan, png or Path(f"plan_{plan.strategy}_{plan.dims.world_size}ranks.png"))
-    print(f"rank grid drawn to {out}")
-    return 0
+    return planner_main(list(sys.argv[1:] if argv is None else argv))
 
 
 if __name__ == "__main__":

@@ -76,8 +76,7 @@ def predict(cfg: DictConfig, trainer: Any, module: Any, datamodule: Any, out: Pa
         summary["tiles"] = tiles
     if generator_model is not None:
         model = generator_model
-        stoi = {ch: i for i, ch in enumerate(getattr(datamodule, "chars", []))}
-        prompt = [stoi.get(ch, 0) for ch in options.get("prompt", "\n")]
+        prompt = encode_prompt(datamodule, options.get("prompt", "\n"))
         for k in range(int(options["samples"])):
             ids = generate(model, prompt, int(options.get("new_tokens", 200)), datamodule.model_kwargs()["block_size"], float(options.get("temperature", 0.8)), cfg.seed + k)
             summary["samples"].append(datamodule.decode(ids))
@@ -92,6 +91,15 @@ def predict(cfg: DictConfig, trainer: Any, module: Any, datamodule: Any, out: Pa
     for sample in summary["samples"]:
         print("---\n" + sample)
     return summary
+
+
+def encode_prompt(datamodule: Any, prompt: str) -> list[int]:
+    """The prompt in the data's tokens: its ``encode`` (a tokenizer), else its characters (``data=chars``)."""
+    encode = getattr(datamodule, "encode", None)
+    if callable(encode):
+        return list(encode(prompt))
+    stoi = {ch: i for i, ch in enumerate(getattr(datamodule, "chars", []))}
+    return [stoi.get(ch, 0) for ch in prompt]
 
 
 def check_predict_config(cfg: DictConfig) -> None:

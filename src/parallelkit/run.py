@@ -8,6 +8,7 @@ starts the other ranks, so bad input costs one clear message and nothing half-wr
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -24,10 +25,15 @@ from parallelkit.distributed.recompute import apply_recompute
 from parallelkit.errors import ConfigError
 from parallelkit.models.contract import as_lightning_module, check_model_fits_data, import_target
 from parallelkit.models.plans import parallel_model
+from parallelkit.optim import check_optimizer, check_schedule, make_sparse_gradients_dense
+from parallelkit.run_dir import RunDirPlan, RunFinished
+from parallelkit.run_dir import plan as plan_dir
+from parallelkit.strategies.base import SERVER_TABLES
 from parallelkit.strategies.protocol import as_protocol
 
-# Environment variables Lightning's launcher sets for a job; a sweep's next job must start without them.
-_LAUNCH_ENV = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE", "PL_GLOBAL_SEED")
+# Environment variables Lightning's launcher (and parallelkit.distributed.listeners) sets for a job; a sweep's next
+# job must start without them.
+_LAUNCH_ENV = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE", "PL_GLOBAL_SEED", "GLOO_SOCKET_IFNAME", "TP_SOCKET_IFNAME")
 
 
 def build(node: Any, what: str, **kwargs: Any) -> Any:
@@ -132,6 +138,72 @@ def output_dir(cfg: DictConfig) -> Path:
     return Path(cfg.get("output_dir") or ".")
 
 
+def plan_run_dir(cfg: DictConfig, out: Path, max_steps: int) -> RunDirPlan:
+    """``ckpt_path`` (``last`` under a torchrun restart) against what ``out`` holds: see :func:`parallelkit.run_dir.plan`."""
+    ckpt_path = cfg.get("ckpt_path")
+    if ckpt_path is None and (restart_count() or 0) > 0:
+        ckpt_path = "last"  # torchrun restarted this job after a failure: go on from the newest checkpoint
+    try:
+        return plan_dir(out, None if ckpt_path is None else str(ckpt_path), max_steps if isinstance(max_steps, int) else -1)
+    except (RunFinished, ConfigError):
+        _forget_config_record(out)
+        raise
+
+
+def _forget_config_record(out: Path) -> None:
+    """A job that does nothing in a directory that already holds a run (finished, or refused) takes back the
+    ``.hydra-N/`` record Hydra just wrote for it (``cli.config_subdir``): the earlier run's ``.hydra/`` stays."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if HydraConfig.initialized() and launching_rank_zero():
+        subdir = HydraConfig.get().output_subdir
+        if subdir and subdir.startswith(".hydra-") and (out / subdir).is_dir():
+            shutil.rmtree(out / subdir, ignore_errors=True)
+
+
+def checkpoint_callbacks(cfg: DictConfig, out: Path) -> tuple[Any, Any]:
+    """``checkpoint.*``: periodic checkpoints (steps and/or minutes, the newest K kept) and the stop on a signal."""
+    from parallelkit.callbacks.local_sigterm import LocalSigterm
+    from parallelkit.callbacks.periodic_checkpoint import PeriodicCheckpoint
+
+    node = cfg.get("checkpoint") or {}
+    return (
+        PeriodicCheckpoint(out / "checkpoints", every_n_steps=node.get("every_n_steps", 100), every_n_minutes=node.get("every_n_minutes", 30),
+                           save_top_k=node.get("save_top_k", 3), agree_every_s=node.get("agree_every_s", 2)),
+        LocalSigterm(checkpoint_on_signal=node.get("on_signal", True), grace_s=node.get("signal_grace_s", 20)),
+    )
+
+
+def train_module(model: torch.nn.Module, cfg: DictConfig) -> Any:
+    """parallelkit's LightningModule around ``model``, with ``optim=``'s optimizer and schedule checked now: an
+    argument torch rejects would otherwise fail inside ``fit`` on every rank (:mod:`parallelkit.optim`)."""
+    from parallelkit.models.module import TrainModule
+
+    schedule = check_schedule(cfg.optim.get("schedule"))
+    factory = build(cfg.optim.optimizer, "optim")
+    check_optimizer(factory, cfg.optim.optimizer, _label("optim"))
+    return TrainModule(model, factory, **schedule, step_seed=cfg.seed)
+
+
+def fit_gradients_to_optimizer(module: Any, cfg: DictConfig) -> None:
+    """Sparse embedding gradients become dense when ``optim=`` cannot take them (AdamW: ``model=ctr``), and one
+    line says so; ``model.sparse=true`` set on the command line is an error instead (:mod:`parallelkit.optim`)."""
+    from lightning.pytorch.utilities import rank_zero_info
+
+    explicit = any(o.lstrip("+").startswith("model.sparse=") and o.split("=", 1)[1].lower() == "true" for o in chosen_on_command_line("model"))
+    dense = make_sparse_gradients_dense(module.model, module.optimizer_factory, _label("model"), _label("optim"), explicit)
+    if dense:
+        rank_zero_info(f"parallelkit: {_label('optim')} cannot take sparse gradients: {', '.join(dense)} gets dense ones (every row updated "
+                       "every step); optim=adagrad or optim=sgd update only the rows of each batch.")
+
+
+def launching_rank_zero() -> bool:
+    """Global rank 0 before the process group exists (Lightning reads it from the launcher's environment)."""
+    from lightning.pytorch.utilities import rank_zero_only
+
+    return getattr(rank_zero_only, "rank", 0) == 0
+
+
 def run(cfg: DictConfig) -> dict[str, Any] | None:
     """Train as ``cfg`` says; return the summary on rank 0 (``None`` elsewhere)."""
     saved_env = {k: os.environ.get(k) for k in _LAUNCH_ENV}
@@ -160,15 +232,19 @@ def run(cfg: DictConfig) -> dict[str, Any] | None:
 def _run(cfg: DictConfig) -> dict[str, Any] | None:
     import lightning.pytorch as pl
     from lightning.fabric.utilities.exceptions import MisconfigurationException
-    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lightning.pytorch.callbacks.progress import ProgressBar
 
     from parallelkit.callbacks.base import ParallelKitCallback
-    from parallelkit.callbacks.local_sigterm import LocalSigterm
+    from parallelkit.callbacks.progress_bar import step_progress_bar
     from parallelkit.callbacks.run_summary import RunSummary
     from parallelkit.models.module import TrainModule
 
     out = output_dir(cfg)
     trainer_cfg = OmegaConf.to_container(cfg.trainer, resolve=True)
+    # What this run directory already holds decides first (read-only, every rank): a finished run is not
+    # retrained, an unfinished one is not started over without ckpt_path (parallelkit.run_dir).
+    dir_plan = plan_run_dir(cfg, out, trainer_cfg.get("max_steps", -1)) if cfg.get("mode", "train") == "train" else None
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
 
     # The strategy protocol (parallelkit.strategies.protocol), step by step; a Lightning strategy that is not
@@ -197,11 +273,7 @@ def _run(cfg: DictConfig) -> dict[str, Any] | None:
         raise ConfigError(f"{_label('model')} has no _target_: name the class or function that builds the model (model._target_=mypkg.Net).")
     check_model_fits_data(import_target(cfg.model._target_, "model._target_"), datamodule.model_kwargs(), _label("model"), _label("data"))
     built = build(cfg.model, "model", **datamodule.model_kwargs())
-    module = as_lightning_module(
-        built, _label("model"),
-        lambda m: TrainModule(m, build(cfg.optim.optimizer, "optim"), **OmegaConf.to_container(cfg.optim.schedule, resolve=True), step_seed=cfg.seed),
-        chosen_on_command_line("optim"),
-    )
+    module = as_lightning_module(built, _label("model"), lambda m: train_module(m, cfg), chosen_on_command_line("optim"))
     model = parallel_model(module)  # what the strategy splits and the plans speak of
     # Techniques of the model's own computation, shared by every strategy (they keep module names, so the
     # strategy's plans still apply): recomputation now, compilation lazily at the first forward.
@@ -213,31 +285,21 @@ def _run(cfg: DictConfig) -> dict[str, Any] | None:
     strategy.check_model(model, dims.world_size)
     strategy.check_lightning_module(module)
     strategy.check_workload(model, datamodule)
+    if isinstance(module, TrainModule) and not getattr(strategy, "supports", lambda _: False)(SERVER_TABLES):  # ps: tables on servers
+        fit_gradients_to_optimizer(module, cfg)
 
     if callable(getattr(datamodule, "check_mode", None)):  # e.g. an unlabelled image can be predicted but not trained on
         datamodule.check_mode(cfg.get("mode", "train"))
     if cfg.get("mode", "train") == "predict":
         return _predict(cfg, strategy.lightning_strategy, accelerator, devices, num_nodes, datamodule, module, trainer_cfg, out)
 
-    ckpt_path = cfg.get("ckpt_path")
-    if ckpt_path is None and (restart_count() or 0) > 0:
-        ckpt_path = "last"  # torchrun restarted this job after a failure: go on from the newest checkpoint
-    last = out / "checkpoints" / "last.ckpt"
-    if ckpt_path not in (None, "last") or (ckpt_path == "last" and last.exists()):
+    ckpt_path = dir_plan.ckpt_path
+    if ckpt_path is not None:
         # A missing, incomplete, corrupt or mismatched checkpoint is bad input: say so before any rank starts.
-        strategy.check_checkpoint(last if ckpt_path == "last" else ckpt_path, {k: v.shape for k, v in module.state_dict().items()})
+        strategy.check_checkpoint(ckpt_path, {k: v.shape for k, v in module.state_dict().items()})
 
     summary = RunSummary(out, plan.global_batch_size, sum(p.numel() for p in module.parameters()))
-    every = cfg.checkpoint.every_n_steps
-    # Epoch-based runs (trainer.max_steps=-1) checkpoint at the end of each epoch instead.
-    step_based = bool(every and every > 0)
-    checkpoint = ModelCheckpoint(
-        dirpath=out / "checkpoints",
-        save_last=True,
-        save_top_k=cfg.checkpoint.save_top_k,
-        every_n_train_steps=every if step_based else None,
-        save_on_train_epoch_end=not step_based,  # not after validation: last.ckpt is the final state
-    )
+    periodic_checkpoint, signal_stop = checkpoint_callbacks(cfg, out)
     callbacks = [build(node, f"callbacks.{name}") for name, node in (cfg.get("callbacks") or {}).items()]
     # A callback that needs something of the strategy (a DDP comm hook, replicated parameters) says so now,
     # before the other ranks start work: one message and exit code 2, not an error in every rank.
@@ -246,13 +308,15 @@ def _run(cfg: DictConfig) -> dict[str, Any] | None:
             callback.check_strategy(strategy.lightning_strategy, dims)
     if trainer_cfg.get("enable_progress_bar") is None:  # auto: a bar on a terminal, none in log files
         trainer_cfg["enable_progress_bar"] = sys.stdout.isatty()
+    if trainer_cfg["enable_progress_bar"] and not any(isinstance(c, ProgressBar) for c in callbacks):
+        callbacks.append(step_progress_bar())  # Lightning's bar, counting to max_steps (not "Epoch 0/-2")
     try:
         trainer = pl.Trainer(
             strategy=strategy.lightning_strategy,
             accelerator=accelerator,
             devices=devices,
             num_nodes=num_nodes,
-            callbacks=[*callbacks, checkpoint, summary, LocalSigterm()],
+            callbacks=[*callbacks, periodic_checkpoint, summary, signal_stop],
             logger=build_logger(cfg, out),
             default_root_dir=out,
             use_distributed_sampler=False,  # the datamodule shards by the data-parallel rank itself
@@ -262,6 +326,8 @@ def _run(cfg: DictConfig) -> dict[str, Any] | None:
         raise ConfigError(f"The trainer settings do not work together: {err}") from None
     # Everything that can fail on bad input has run: ranks started early may now go (no-op otherwise).
     startup_gc.resume()
+    if launching_rank_zero():
+        dir_plan.apply()  # moves what a resumed run recomputes into side files: the last step before the go
     local_launch.release_or_wait()
     trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
     return summary.summary if trainer.is_global_zero else None
@@ -294,3 +360,6 @@ def _teardown_process_group(barrier: bool) -> None:
                 dist.barrier()
         finally:
             dist.destroy_process_group()
+    from parallelkit.distributed.listeners import release_stores
+
+    release_stores()  # the store server this rank hosted for the group (listeners.host_store) stops with it

@@ -138,6 +138,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.steps < 1 or not args.rtol >= 0:
         print(f"parallelkit.verify: error: --steps must be ≥ 1 and --rtol ≥ 0 (got {args.steps}, {args.rtol}).", file=sys.stderr)
         return EXIT_CONFIG_ERROR
+    held = [d for d in ("config", "single") if args.run_dir and (args.run_dir / d).is_dir() and any((args.run_dir / d).iterdir())]
+    if held:
+        # train.py keeps a run directory's history: it would not train again there, and this check would compare old runs.
+        print(f"parallelkit.verify: error: --run-dir {args.run_dir} already holds runs ({', '.join(held)}/); give an empty "
+              "or new directory.", file=sys.stderr)
+        return EXIT_CONFIG_ERROR
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch.testing import assert_close
 
 from parallelkit.distributed.comm_hooks import counts_own_traffic
+from parallelkit.callbacks.run_summary import os_bytes_written
 from parallelkit.distributed.comm_stats import CommStats
 from parallelkit.distributed.data_parallel import apply_ddp
 from parallelkit.distributed.dgc import DGC_DENSE, DGC_SPARSE, DGCState, build_dgc, dgc_hook, topk_count
@@ -87,7 +88,7 @@ def _train(rank, world_size, variants):
         optimizer = torch.optim.SGD(ddp.parameters(), lr=LR)  # momentum lives in the hook (correction)
         replica = _model(0)
         rec = {k: [] for k in ("v_before", "u_before", "v_after", "u_after", "sent", "local_grad", "grad",
-                               "params_before", "params_after", "sparse_bytes", "dense_bytes", "step_sent", "step_dense")}
+                               "params_before", "params_after", "sparse_bytes", "dense_bytes", "step_sent", "step_dense", "written")}
         for step in range(STEPS):
             params = {n: p.detach().clone() for n, p in model.named_parameters()}
             rec["params_before"].append(params)
@@ -101,7 +102,9 @@ def _train(rank, world_size, variants):
             sparse, dense = stats.bytes(DGC_SPARSE), stats.bytes(DGC_DENSE)
             state.begin_step(step)
             optimizer.zero_grad(set_to_none=True)
+            written = os_bytes_written()
             MLP.loss(ddp(x[step, rows]), y[step, rows]).backward()
+            rec["written"].append(os_bytes_written() - written)
             rec["v_after"].append(_clone_map(state.velocity, model))
             rec["u_after"].append(_clone_map(state.momentum_buffer, model))
             rec["sent"].append({n: state.last_sent[p] for n, p in model.named_parameters() if p in state.last_sent})
@@ -228,17 +231,25 @@ def test_warmup_schedule_and_counted_bytes(runs):
             assert set(rec["sent"][step]) == set(compressed), (variant, step)
             for name, p in compressed.items():
                 assert rec["sent"][step][name][0].numel() == topk_count(p.numel(), sparsity)
-            # 2 ranks: an all-gather sends this rank's pairs once (int32 index + fp32 value = 8 bytes),
-            # a ring all-reduce sends the whole payload once.
+            # What was counted is what the process wrote (DDP's own one-time broadcast of its rebuilt bucket
+            # order, in step 1, aside), split into the pairs' all-gathers and the dense all-reduce.
+            sent, written = rec["step_sent"][step], rec["written"][step]
+            assert sent == rec["sparse_bytes"][step] + rec["dense_bytes"][step]
+            assert sent == written if step != 1 else 0 < written - sent < 512, (variant, step, sent, written)
+            # 2 ranks: an all-gather sends this rank's pairs once (int32 index + fp32 value = 8 bytes), a ring
+            # all-reduce the whole payload once; on the wire, gloo adds 48-byte headers (3 per message).
             expected_sparse = sum(8 * topk_count(p.numel(), sparsity) for p in compressed.values())
             expected_dense = 4 * sum(p.numel() for n, p in init.items() if n not in compressed)
-            assert rec["sparse_bytes"][step] == expected_sparse, (variant, step)
-            assert rec["dense_bytes"][step] == expected_dense, (variant, step)
-            assert rec["step_sent"][step] == expected_sparse + expected_dense
-            assert rec["step_dense"][step] == total_bytes
-    # at 99 % the traffic is cut by well over an order of magnitude
+            assert (rec["sparse_bytes"][step] > expected_sparse) == (expected_sparse > 0), (variant, step)
+            assert rec["sparse_bytes"][step] <= expected_sparse + 2 * 6 * 48, (variant, step)  # two all-gathers
+            assert expected_dense <= rec["dense_bytes"][step] <= expected_dense + 12 * 48, (variant, step)
+            assert total_bytes <= rec["step_dense"][step] <= total_bytes + 12 * 48  # what dense DDP writes
+    # At 99 % the payload is cut by well over an order of magnitude; on the wire gloo's fixed headers (over
+    # 1 KiB a step) weigh on this 7 KiB model, and the cut is smaller (for real models they vanish).
     last = runs["no_warmup"][0]
-    assert last["step_dense"][-1] / last["step_sent"][-1] > 20
+    payload = sum(8 * topk_count(p.numel(), 0.99) for p in last["params_before"][0].values())
+    assert sum(p.numel() * 4 for p in last["params_before"][0].values()) / payload > 20
+    assert last["step_dense"][-1] / last["step_sent"][-1] > 4
 
 
 def test_dense_phase_with_momentum_correction_equals_momentum_sgd(runs):

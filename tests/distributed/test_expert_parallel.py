@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.testing import assert_close
 
+from parallelkit.callbacks.run_summary import os_bytes_written
 from parallelkit.distributed.comm_stats import CommStats
 from parallelkit.distributed.expert_parallel import MOE_ALL_TO_ALL, apply_ep, local_expert_ids
 from parallelkit.distributed.grad_sync import apply_grad_allreduce
@@ -87,18 +88,19 @@ def _train_ep(rank: int, world: int, variants: dict[str, dict]) -> dict:
         for step in range(STEPS):
             batch = data[step, _rows(rank)]
             optimizer.zero_grad(set_to_none=True)
-            before = (stats.calls(MOE_ALL_TO_ALL), stats.bytes(MOE_ALL_TO_ALL))
+            before = (stats.calls(MOE_ALL_TO_ALL), stats.bytes(MOE_ALL_TO_ALL), stats.bytes(), os_bytes_written())
             loss = model.loss(model(batch[:, :-1]), batch[:, 1:])
-            mid = (stats.calls(MOE_ALL_TO_ALL), stats.bytes(MOE_ALL_TO_ALL))
+            mid = (stats.calls(MOE_ALL_TO_ALL), stats.bytes(MOE_ALL_TO_ALL), stats.bytes(), os_bytes_written())
             loss.backward()
-            after = (stats.calls(MOE_ALL_TO_ALL), stats.bytes(MOE_ALL_TO_ALL))
+            after = (stats.calls(MOE_ALL_TO_ALL), stats.bytes(MOE_ALL_TO_ALL), stats.bytes(), os_bytes_written())
             for sync in syncs:
                 sync.sync()
             optimizer.step()
             record["loss"].append(loss.detach())
             record["grads"].append({n: p.grad.detach().clone() for n, p in model.named_parameters()})
-            record["fwd"].append((mid[0] - before[0], mid[1] - before[1]))
-            record["bwd"].append((after[0] - mid[0], after[1] - mid[1]))
+            # (token all-to-alls, their bytes, all bytes counted, bytes the process wrote)
+            record["fwd"].append(tuple(m - b for m, b in zip(mid, before)))
+            record["bwd"].append(tuple(a - m for a, m in zip(after, mid)))
             record["dropped"].append(sum(layer.last_stats["dropped"] for layer in model.moe_layers().values()))
         record["params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
         out[name] = record
@@ -144,8 +146,11 @@ def _assert_matches(results: list[dict], ref: dict) -> None:
 
 
 def _assert_all_to_all_traffic(results: list[dict], ref: dict, ep: int) -> None:
-    """2 token all-to-alls per MoE layer each way; bytes = the routed rows that leave the rank (no drops)."""
+    """2 token all-to-alls per MoE layer each way; bytes = the routed rows that leave the rank (no drops) plus
+    gloo's headers (3 of 48 bytes per message, one message to and one from every peer); and everything counted
+    in forward and backward (routing statistics too) is what the process wrote."""
     row_bytes = EMBD * 4
+    headers = 2 * LAYERS * (ep - 1) * 3 * 48
     for rank, result in enumerate(results):
         ep_rank, group_start = rank % ep, rank - rank % ep
         mine = set(local_expert_ids(EXPERTS, ep, ep_rank))
@@ -157,8 +162,10 @@ def _assert_all_to_all_traffic(results: list[dict], ref: dict, ep: int) -> None:
                 outgoing = sum(int(e) not in mine for e in per_rank[rank].flatten())
                 incoming = sum(int(e) in mine for peer in range(group_start, group_start + ep) if peer != rank for e in per_rank[peer].flatten())
                 expected += (outgoing + incoming) * row_bytes  # dispatch sends `outgoing`, combine returns `incoming`
-            assert result["fwd"][step][1] == expected, (rank, step, result["fwd"][step][1], expected)
-            assert result["bwd"][step][1] == expected  # backward: the same exchanges reversed
+            assert result["fwd"][step][1] == expected + headers, (rank, step, result["fwd"][step][1], expected)
+            assert result["bwd"][step][1] == expected + headers  # backward: the same exchanges reversed
+            assert result["fwd"][step][2] == result["fwd"][step][3], (rank, step, result["fwd"][step])
+            assert result["bwd"][step][2] == result["bwd"][step][3], (rank, step, result["bwd"][step])
 
 
 VARIANTS_2 = {
@@ -201,7 +208,7 @@ def test_ep2_drops_exactly_what_single_process_drops(two_ranks):
     assert all(d > 0 for d in ref["dropped"])
     _assert_matches(two_ranks["drops"], ref)
     for result in two_ranks["drops"]:  # fewer rows travel than without drops, still 2 + 2 per layer
-        assert all(calls == 2 * LAYERS for calls, _ in result["fwd"] + result["bwd"])
+        assert all(calls == 2 * LAYERS for calls, *_ in result["fwd"] + result["bwd"])
 
 
 def test_empty_exchanges_when_almost_everything_is_dropped(two_ranks):
@@ -210,9 +217,11 @@ def test_empty_exchanges_when_almost_everything_is_dropped(two_ranks):
     # 2 layers × 4 experts × capacity 1 = 8 of the 2 × 48 × 2 assignments per step survive.
     assert ref["dropped"] == [LAYERS * (2 * LOCAL_BATCH * SEQ * TOP_K - EXPERTS)] * STEPS
     _assert_matches(results, ref)
-    # Each surviving assignment travels at most there and back: at most 2 × 8 rows leave the ranks per step.
+    # Each surviving assignment travels at most there and back: at most 2 × 8 rows leave the ranks per step
+    # (plus gloo's headers: every all-to-all is a message to and from the peer, empty or not).
+    headers = len(results) * 2 * LAYERS * 3 * 48
     for step in range(STEPS):
-        assert sum(r["fwd"][step][1] for r in results) <= 2 * LAYERS * EXPERTS * EMBD * 4
+        assert sum(r["fwd"][step][1] for r in results) <= 2 * LAYERS * EXPERTS * EMBD * 4 + headers
         assert all(r["fwd"][step][0] == 2 * LAYERS for r in results)
 
 
@@ -224,8 +233,10 @@ def test_a_rank_whose_experts_get_no_token(two_ranks):
     for step in range(STEPS):
         for route in ref["routes"][step]:
             assert set(route.unique().tolist()) <= {0, 1}
-        # Rank 1 dispatches all its tokens (2 layers × 24 rows) and gets no expert's work to return.
-        assert results[1]["fwd"][step] == (2 * LAYERS, LAYERS * LOCAL_BATCH * SEQ * EMBD * 4)
+        # Rank 1 dispatches all its tokens (2 layers × 24 rows) and gets no expert's work to return (its
+        # combine all-to-all is an empty message: headers only).
+        assert results[1]["fwd"][step][:2] == (2 * LAYERS, LAYERS * LOCAL_BATCH * SEQ * EMBD * 4 + 2 * LAYERS * 3 * 48)
+        assert results[1]["fwd"][step][2] == results[1]["fwd"][step][3]  # counted = written
 
 
 def test_negative_control_experts_on_the_wrong_rank_are_caught(two_ranks):
@@ -233,7 +244,7 @@ def test_negative_control_experts_on_the_wrong_rank_are_caught(two_ranks):
     with pytest.raises(AssertionError):
         _assert_matches(two_ranks["swapped"], ref)
     # Tokens still travel (2 + 2 all-to-alls per layer), yet the loss is off.
-    assert all(calls == 2 * LAYERS for r in two_ranks["swapped"] for calls, _ in r["fwd"] + r["bwd"])
+    assert all(calls == 2 * LAYERS for r in two_ranks["swapped"] for calls, *_ in r["fwd"] + r["bwd"])
     losses = torch.stack([r["loss"][0] for r in two_ranks["swapped"]]).mean()
     assert (losses - ref["loss"][0]).abs() > 1e-4
 

@@ -1,8 +1,10 @@
 """torch's PowerSGD and parallelkit's fp16 hook behind ``build_compression_hook``, on 2 real gloo ranks.
 
 PowerSGD's traffic is counted by standing in for ``torch.distributed`` inside torch's modules; the count
-must equal what the algorithm sends, worked out here from the layer shapes: before ``start_powerSGD_iter``
-the whole bucket; after it, P (n×r) and Q (m×r) of every compressed matrix plus the uncompressed tensors.
+must equal what each rank's process wrote during the step (``/proc/self/io`` ``wchar``), and carry what the
+algorithm sends, worked out here from the layer shapes: before ``start_powerSGD_iter`` the whole bucket;
+after it, P (n×r) and Q (m×r) of every compressed matrix plus the uncompressed tensors (three all-reduces),
+each all-reduce with gloo's fixed message headers on top.
 The result must approximate the true mean gradient (rank 1 of a small MLP: loosely), and fp16 must halve
 the bytes of a dense all-reduce. The negative control: the same count for an uncompressed layout differs.
 """
@@ -13,6 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from parallelkit.callbacks.run_summary import os_bytes_written
 from parallelkit.distributed.comm_hooks import GRAD_ALLREDUCE, POWERSGD_ALLREDUCE, build_compression_hook
 from parallelkit.distributed.comm_stats import CommStats
 from parallelkit.distributed.data_parallel import apply_ddp
@@ -42,11 +45,13 @@ def _train(rank, world_size):
         hook, state = build_compression_hook(method, dist.group.WORLD, stats, **options)
         ddp = apply_ddp(model, process_group=dist.group.WORLD, comm_hook=hook, comm_state=state)
         optimizer = torch.optim.SGD(ddp.parameters(), lr=0.01)
-        rec = {"bytes": [], "grads": [], "local": [], "shapes": {n: tuple(p.shape) for n, p in model.named_parameters()}}
+        rec = {"bytes": [], "written": [], "grads": [], "local": [], "shapes": {n: tuple(p.shape) for n, p in model.named_parameters()}}
         for step in range(STEPS):
             before = stats.bytes(POWERSGD_ALLREDUCE) + stats.bytes(GRAD_ALLREDUCE)
             optimizer.zero_grad(set_to_none=True)
+            written = os_bytes_written()
             MLP.loss(ddp(x[step, rows]), y[step, rows]).backward()
+            rec["written"].append(os_bytes_written() - written)
             rec["bytes"].append(stats.bytes(POWERSGD_ALLREDUCE) + stats.bytes(GRAD_ALLREDUCE) - before)
             rec["grads"].append(torch.cat([p.grad.reshape(-1) for p in model.parameters()]))
             # the exact mean gradient at the same weights, for comparison
@@ -77,16 +82,29 @@ def _powersgd_bytes(shapes, compress=True):
     return 4 * floats
 
 
+# gloo, 2 ranks: a ring all-reduce is 4 messages each way, 3 headers of 48 bytes per message.
+HEADERS = 12 * 48
+
+
+def _assert_counted_is_written(rec):
+    """Exact, but for DDP's own one-time broadcast of its rebuilt bucket order in step 1 (not parallelkit's)."""
+    bytes_, written = rec["bytes"], rec["written"]
+    assert bytes_[:1] + bytes_[2:] == written[:1] + written[2:], (bytes_, written)
+    assert 0 < written[1] - bytes_[1] < 512, (bytes_, written)
+
+
 def test_powersgd_traffic_is_counted_exactly(runs):
     for rec in runs["powersgd"]:
+        _assert_counted_is_written(rec)
         shapes = rec["shapes"]
         full = 4 * sum(int(torch.Size(s).numel()) for s in shapes.values())
-        assert rec["bytes"][:START_ITER] == [full] * START_ITER  # plain all-reduce first
-        assert rec["bytes"][START_ITER:] == [_powersgd_bytes(shapes)] * (STEPS - START_ITER)
-        assert _powersgd_bytes(shapes) * 5 < full  # a real cut
-        assert rec["dense_bytes"] == full * STEPS
+        assert rec["bytes"][:START_ITER] == [full + HEADERS] * START_ITER  # plain all-reduce first
+        # then three all-reduces: the uncompressed tensors, the Ps, the Qs
+        assert rec["bytes"][START_ITER:] == [_powersgd_bytes(shapes) + 3 * HEADERS] * (STEPS - START_ITER)
+        assert _powersgd_bytes(shapes) * 5 < full  # a real cut of the payload (on this 7 KiB model the headers weigh)
+        assert rec["dense_bytes"] == (full + HEADERS) * STEPS
         # negative control: the uncompressed layout's count is not what was measured
-        assert rec["bytes"][-1] != _powersgd_bytes(shapes, compress=False)
+        assert rec["bytes"][-1] != _powersgd_bytes(shapes, compress=False) + 3 * HEADERS
 
 
 def test_powersgd_result_approximates_the_mean_gradient(runs):
@@ -103,8 +121,9 @@ def test_powersgd_result_approximates_the_mean_gradient(runs):
 
 def test_fp16_halves_the_bytes(runs):
     for rec in runs["fp16"]:
+        _assert_counted_is_written(rec)
         full = 4 * sum(int(torch.Size(s).numel()) for s in rec["shapes"].values())
-        assert rec["bytes"] == [full // 2] * STEPS
-        assert rec["dense_bytes"] / sum(rec["bytes"]) == 2
+        assert rec["bytes"] == [full // 2 + HEADERS] * STEPS  # half the payload, the same headers
+        assert rec["dense_bytes"] == (full + HEADERS) * STEPS
         for step in range(STEPS):
             torch.testing.assert_close(rec["grads"][step], rec["local"][step], rtol=2e-3, atol=1e-5)

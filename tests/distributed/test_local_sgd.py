@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch.testing import assert_close
 
 from parallelkit.distributed.comm_hooks import GRAD_ALLREDUCE as DDP_GRAD_ALLREDUCE
+from parallelkit.callbacks.run_summary import os_bytes_written
 from parallelkit.distributed.comm_stats import CommStats
 from parallelkit.distributed.data_parallel import apply_ddp
 from parallelkit.distributed.local_sgd import GRAD_ALLREDUCE, PARAM_AVERAGE, LocalSGD, LocalSGDState, local_sgd_hook
@@ -80,9 +81,10 @@ def _train(rank, world_size, variants):
             ddp = apply_ddp(model, process_group=dist.group.WORLD, comm_hook=local_sgd_hook, comm_state=state)
         local = LocalSGD(ddp.parameters(), state, **options) if options else None
         optimizer = torch.optim.SGD(ddp.parameters(), lr=LR, momentum=MOMENTUM)
-        rec = {"init": _params(model), "params": [], "loss": [], "grad_bytes": [], "avg_bytes": [], "synced": []}
+        rec = {"init": _params(model), "params": [], "loss": [], "grad_bytes": [], "avg_bytes": [], "synced": [], "written": []}
         for step in range(STEPS):
             grad_bytes, avg_bytes = stats.bytes(GRAD_ALLREDUCE), stats.bytes(PARAM_AVERAGE)
+            written = os_bytes_written()
             if local:
                 local.before_step(step)
             optimizer.zero_grad(set_to_none=True)
@@ -90,6 +92,7 @@ def _train(rank, world_size, variants):
             loss.backward()
             optimizer.step()
             rec["synced"].append(local.after_step(step, loss.item()) if local else False)
+            rec["written"].append(os_bytes_written() - written)
             rec["loss"].append(loss.item())
             rec["params"].append(_params(model))
             rec["grad_bytes"].append(stats.bytes(GRAD_ALLREDUCE) - grad_bytes)
@@ -139,15 +142,22 @@ def _param_bytes(init):
     return sum(p.numel() * 4 for p in init.values())
 
 
+HEADERS = 12 * 48  # gloo: a ring all-reduce on 2 ranks is 4 messages each way, 3 headers of 48 bytes each
+
+
 def _assert_local_traffic(results, begin_step):
-    """No gradient all-reduce after ``begin_step``; exactly one averaging of all weights (+ the loss) per sync."""
+    """No gradient all-reduce after ``begin_step``; exactly one averaging of all weights (+ the loss) per sync;
+    and what was counted is what the process wrote (DDP's one-time broadcast of its rebuilt bucket order, in
+    step 1, aside: a few hundred bytes nothing in parallelkit issues)."""
     for rank, rec in enumerate(results):
         full = _param_bytes(rec["init"])
         for step in range(STEPS):
-            want_grad = full if step < begin_step else 0
-            assert rec["grad_bytes"][step] == want_grad, f"rank {rank} step {step}: {rec['grad_bytes']}"
-            want_avg = full + 4 if rec["synced"][step] else 0
-            assert rec["avg_bytes"][step] == want_avg, f"rank {rank} step {step}: {rec['avg_bytes']}"
+            counted, written = rec["grad_bytes"][step] + rec["avg_bytes"][step], rec["written"][step]
+            assert counted == written if step != 1 else 0 < written - counted < 512, f"rank {rank} step {step}: {counted} vs {written}"
+            grad = rec["grad_bytes"][step]
+            assert (full <= grad <= full + HEADERS) if step < begin_step else grad == 0, f"rank {rank} step {step}: {rec['grad_bytes']}"
+            avg = rec["avg_bytes"][step]
+            assert (full + 4 <= avg <= full + 4 + HEADERS) if rec["synced"][step] else avg == 0, f"rank {rank} step {step}: {rec['avg_bytes']}"
 
 
 @pytest.mark.parametrize("variant", ["fixed", "post_local", "adaptive"])

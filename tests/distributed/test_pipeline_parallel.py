@@ -13,6 +13,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
+from parallelkit.callbacks.run_summary import os_bytes_written
 from parallelkit.distributed.comm_stats import CommStats
 from parallelkit.distributed.pipeline_parallel import (
     PP_P2P,
@@ -65,17 +66,20 @@ def _train_pipeline(rank: int, world: int, pp: int, cases: list, scale_grads: bo
                         loss_fn=GPT.loss, device=torch.device("cpu"), comm_stats=stats, scale_grads=scale_grads)
         sync = apply_grad_allreduce(model.parameters(), mesh.get_group("dp"), comm_stats=stats)
         opt = torch.optim.SGD(model.parameters(), lr=LR)
-        losses, first_grads = [], None
+        losses, first_grads, counted, written = [], None, [], []
         for step in range(STEPS):
             x, y = _batch(step)
             opt.zero_grad()
+            before = (stats.bytes(), os_bytes_written())
             loss = pipe.train_step(x[rows], y[rows])
             sync.sync()
+            counted.append(stats.bytes() - before[0])
+            written.append(os_bytes_written() - before[1])
             if first_grads is None:
                 first_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
             opt.step()
             losses.append(loss)
-        p2p_train = stats.bytes(PP_P2P)
+        p2p_train, p2p_messages = stats.bytes(PP_P2P), stats.calls(PP_P2P)
         x, y = _batch(0)
         results[schedule] = {
             "losses": losses,
@@ -85,6 +89,9 @@ def _train_pipeline(rank: int, world: int, pp: int, cases: list, scale_grads: bo
             "stage_ids": ids,
             "peak_inflight": dict(pipe.stats.peak_inflight),
             "p2p_bytes": p2p_train,
+            "p2p_messages": p2p_messages,  # sends and receives
+            "counted": counted,
+            "written": written,
             "grad_allreduce_bytes": stats.bytes(GRAD_ALLREDUCE),
             "dp_rank": coords["dp"],
             "per_rank": per_rank,
@@ -147,10 +154,13 @@ def four_ranks(tmp_path_factory) -> list[dict]:
 @pytest.mark.parametrize("schedule", [c[0] for c in CASES])
 def test_pp2_matches_single_process(two_ranks, schedule):
     _check_against_reference(two_ranks, schedule, _reference(1), pp=2)
-    # Activations went forward and gradients back: M micro-batches of (B/M, T, C) fp32 per stage boundary.
+    _check_counted_is_written(two_ranks, schedule)
+    # Activations went forward and gradients back: M micro-batches of (B/M, T, C) fp32 per stage boundary;
+    # on gloo every transfer also writes 3 headers of 48 bytes (2 from the sender, 1 from the receiver).
     boundary = BATCH * SEQ * EMBD * 4 * STEPS
     sent = sum(r[schedule]["p2p_bytes"] for r in two_ranks)
-    assert sent == boundary * (2 * (2 * (2 if SCHEDULES[schedule].multi_stage else 1) - 1)), sent
+    transfers = sum(r[schedule]["p2p_messages"] for r in two_ranks) // 2
+    assert sent == boundary * (2 * (2 * (2 if SCHEDULES[schedule].multi_stage else 1) - 1)) + transfers * 3 * 48, sent
     assert all(r[schedule]["grad_allreduce_bytes"] == 0 for r in two_ranks)  # dp = 1: nothing to average
     for r in two_ranks:  # the forward-only path agrees with the model in eval
         if r[schedule]["eval"] is not None:
@@ -165,9 +175,19 @@ def test_pp2_dp2_matches_single_process(four_ranks, schedule):
         out = r[schedule]
         if out["eval"] is not None:
             assert_close(out["eval"], ref["evals"][out["dp_rank"]], rtol=1e-5, atol=0)
-        # Every stage's gradients were averaged over its dp peer once per step.
+        # Every stage's gradients were averaged over its dp peer once per step (gloo: plus 12 headers of 48 bytes).
         own = sum(g.numel() for g in out["grads"].values()) * 4
-        assert out["grad_allreduce_bytes"] == own * STEPS
+        assert out["grad_allreduce_bytes"] == (own + 12 * 48) * STEPS
+    _check_counted_is_written(four_ranks, schedule)
+
+
+def _check_counted_is_written(results: list[dict], schedule: str) -> None:
+    """Every step's traffic counted is what the rank's process wrote; the first step also exchanges the
+    stages' tensor metadata (torch.distributed.pipelining's shape inference, not counted: once per run)."""
+    for rank, r in enumerate(results):
+        counted, written = r[schedule]["counted"], r[schedule]["written"]
+        assert counted[1:] == written[1:], (rank, schedule, counted, written)
+        assert counted[0] <= written[0], (rank, schedule, counted, written)
 
 
 def test_peak_inflight_activations_1f1b_at_most_p_gpipe_m(two_ranks):

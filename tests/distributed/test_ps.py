@@ -75,7 +75,7 @@ def _ps_job(rank: int, world: int, rpc_dir: str) -> dict:
         mean = loss.detach().clone()
         dist.all_reduce(mean, group=workers)
         losses.append(float(mean) / WORKERS)
-    bytes_ps = client.comm_stats.bytes(PS)
+    bytes_ps = client.comm_stats.bytes(PS) + client.bytes_received  # sent (ids, pushes) + received (rows)
     unique_pulled = client.unique_ids_pulled
     dist.barrier(group=workers)  # training is over on both workers: worker 0 may now probe the servers
     out = {"losses": losses, "bytes_ps": bytes_ps, "unique_pulled": unique_pulled, "touched": sorted(client.touched["embedding"])}

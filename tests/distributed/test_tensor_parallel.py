@@ -4,7 +4,10 @@ What is checked: a column+row parallel pair equals the unsplit layers (outputs, 
 gradients), with each rank feeding its own rows; a GPT split by its plan equals the single-process GPT
 (loss, every gradient, the weights after an optimizer step), with and without sequence parallel; and the
 collectives DTensor issues are counted per transformer block (2 all-reduces forward + 2 backward, or
-their all-gather/reduce-scatter halves), with Megatron-LM's 8·b·s·h·(t−1)/t elements per layer.
+their all-gather/reduce-scatter halves), with Megatron-LM's 8·b·s·h·(t−1)/t elements per layer, and the
+count equals what each rank's process wrote in forward and in backward (``/proc/self/io`` ``wchar``). On
+gloo a reduce-scatter is an all-reduce of the whole input (twice Megatron's reduce-scatter bytes), and every
+collective adds 48-byte message headers: the expectations say so.
 Negative controls: a row-parallel layer that skips its reduction is caught by the comparison, and a plan
 without the shared attention input issues 3 backward all-reduces in attention, which the counter sees.
 """
@@ -18,7 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from parallelkit.distributed.comm_stats import CommStats
+from parallelkit.callbacks.run_summary import os_bytes_written
+from parallelkit.distributed.comm_stats import CommStats, collective_bytes
 from parallelkit.distributed.tensor_parallel import TensorParallelPlan, apply_tp
 from parallelkit.errors import ConfigError
 from parallelkit.models.gpt import GPT
@@ -28,6 +32,19 @@ from .harness import run_ranks
 TINY = dict(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
 BATCH = 4
 TOL = dict(rtol=1e-5, atol=1e-6)
+
+
+# gloo on 2 ranks: headers (48 bytes each) of a ring all-reduce (4 messages each way, 3 headers per message)
+# and of an all-gather (2 half-shards each way).
+AR_HEADERS, AG_HEADERS = 12 * 48, 6 * 48
+
+
+def _settled(stats: CommStats, group, marks: list) -> tuple[int, int]:
+    """(bytes counted, bytes written not by these barriers) once every collective issued so far has finished:
+    a gloo barrier runs after all prior work of its group. ``marks`` keeps the barriers' own bytes."""
+    marks.append(collective_bytes(0, "barrier", group))
+    torch.distributed.barrier(group=group)
+    return stats.bytes(), os_bytes_written() - sum(marks)
 
 
 def _counts(stats: CommStats) -> dict[str, tuple[int, int]]:
@@ -86,11 +103,16 @@ def _pair(rank: int, world_size: int, sharded_batch: bool) -> dict:
         stats = CommStats()
         tp = apply_tp(model, mesh, plan, comm_stats=stats)
         x = x_all[rows].clone().requires_grad_(True)
+        marks: list = []
+        start = _settled(stats, mesh.get_group(), marks)
         with tp.context():
             y = model(x)
             forward = _counts(stats)
+            mid = _settled(stats, mesh.get_group(), marks)
             (y * upstream[rows]).sum().backward()
+        end = _settled(stats, mesh.get_group(), marks)
         out[name] = {
+            "wire": [(b[0] - a[0], b[1] - a[1]) for a, b in ((start, mid), (mid, end))],  # (counted, written) fwd, bwd
             "y": _waited(y),
             "x_grad": _waited(x.grad),
             "grads": {n: _full(p.grad) for n, p in model.named_parameters()},
@@ -120,12 +142,14 @@ def test_column_row_pair_matches_unsplit_layers(tmp_path, sharded_batch):
         if "no_reduce" in result:  # negative control: without the reduction each rank has a partial sum
             assert _max_error(result["no_reduce"], result["reference"]) > 1e-3, rank
         split = result["split"]
+        assert all(counted == written for counted, written in split["wire"]), (rank, split["wire"])
         payload = 8 * 16 * 4  # the (8, 16) fp32 activation
         if sharded_batch:  # batch gathered into the column layer, output reduce-scattered; mirrored in backward
-            expected = {"tp.all_gather": (1, payload // 2), "tp.reduce_scatter": (1, payload // 2)}
+            # gloo's reduce-scatter all-reduces the whole (8, 16) input: S, not S·(t−1)/t
+            expected = {"tp.all_gather": (1, payload // 2 + AG_HEADERS), "tp.reduce_scatter": (1, payload + AR_HEADERS)}
             assert split["forward"] == expected and split["backward"] == expected
         else:  # Megatron's g (forward all-reduce) and f (backward all-reduce)
-            expected = {"tp.all_reduce": (1, payload)}  # ring: 2·S·(t−1)/t = S at t = 2
+            expected = {"tp.all_reduce": (1, payload + AR_HEADERS)}  # ring: 2·S·(t−1)/t = S at t = 2
             assert split["forward"] == expected and split["backward"] == expected
 
 
@@ -148,6 +172,8 @@ def _gpt(rank: int, world_size: int, sequence_parallel: bool, shared_attention_i
         plan.layout = {k: v for k, v in plan.layout.items() if k not in ("layers.*.attn", "layers.*.mlp")}
     stats = CommStats()
     tp = apply_tp(model, mesh["tp"], plan, comm_stats=stats)
+    group, marks = mesh["tp"].get_group(), []
+    start = _settled(stats, group, marks)
     with tp.context():
         logits = model(idx)
         loss = model.loss(logits, targets)
@@ -156,6 +182,7 @@ def _gpt(rank: int, world_size: int, sequence_parallel: bool, shared_attention_i
     backward = _counts(stats)
     tp.sync()
     synced = _counts(stats)
+    end = _settled(stats, group, marks)
 
     ref_loss = reference.loss(reference(idx), targets)
     ref_loss.backward()
@@ -176,6 +203,7 @@ def _gpt(rank: int, world_size: int, sequence_parallel: bool, shared_attention_i
         "forward": forward,
         "backward": _minus(backward, forward),
         "sync": _minus(synced, backward),
+        "wire": (end[0] - start[0], end[1] - start[1]),  # (counted, written) over forward, backward and sync
     }
 
 
@@ -193,6 +221,12 @@ def _megatron_bytes_per_layer(tp: int) -> float:
     return 8 * BATCH * TINY["block_size"] * TINY["n_embd"] * (tp - 1) / tp * 4
 
 
+def _block_headers(counts: dict) -> int:
+    """gloo's message headers in a phase's block collectives (2 ranks)."""
+    headers = {"all_reduce": AR_HEADERS, "reduce_scatter": AR_HEADERS, "all_gather": AG_HEADERS}
+    return sum(calls * headers[op] for op, (calls, _) in _block(counts).items())
+
+
 def _block(counts: dict) -> dict:
     return {k.split(".", 1)[1]: v for k, v in counts.items() if k.startswith(TP_BLOCK_KIND + ".")}
 
@@ -202,6 +236,7 @@ def test_gpt_plan_matches_single_process_and_counts_two_allreduces_per_block(tmp
     layers = TINY["n_layer"]
     for result in results:
         _assert_matches_reference(result)
+        assert result["wire"][0] == result["wire"][1], result["wire"]  # counted = written
         # Vocabulary-parallel output: each rank holds vocab / tp logits; nothing gathers them.
         assert result["logits"] == ("DTensor", "(Shard(dim=2),)", (BATCH, TINY["block_size"], TINY["vocab_size"] // 2))
         assert not any("all_gather" in kind for kind in {**result["forward"], **result["backward"]})
@@ -209,7 +244,8 @@ def test_gpt_plan_matches_single_process_and_counts_two_allreduces_per_block(tmp
             calls, nbytes = _block(result[phase])["all_reduce"]
             assert calls == 2 * layers, (phase, result[phase])
             assert set(_block(result[phase])) == {"all_reduce"}
-        per_layer = (_block(result["forward"])["all_reduce"][1] + _block(result["backward"])["all_reduce"][1]) / layers
+        headers = sum(_block_headers(result[phase]) for phase in ("forward", "backward"))
+        per_layer = (_block(result["forward"])["all_reduce"][1] + _block(result["backward"])["all_reduce"][1] - headers) / layers
         assert per_layer == pytest.approx(_megatron_bytes_per_layer(2), rel=0.05)
         # Without sequence parallel every gradient already has its parameter's layout: sync sends nothing.
         assert result["sync"] == {}
@@ -220,12 +256,18 @@ def test_sequence_parallel_turns_each_allreduce_into_allgather_and_reducescatter
     layers = TINY["n_layer"]
     for result in results:
         _assert_matches_reference(result)
+        assert result["wire"][0] == result["wire"][1], result["wire"]  # counted = written
         for phase in ("forward", "backward"):
             block = _block(result[phase])
             assert set(block) == {"all_gather", "reduce_scatter"}, (phase, result[phase])
             assert block["all_gather"][0] == block["reduce_scatter"][0] == 2 * layers
-        per_layer = sum(v[1] for phase in ("forward", "backward") for v in _block(result[phase]).values()) / layers
-        assert per_layer == pytest.approx(_megatron_bytes_per_layer(2), rel=0.05)
+        phases = ("forward", "backward")
+        gathered = sum(_block(result[p])["all_gather"][1] - _block(result[p])["all_gather"][0] * AG_HEADERS for p in phases) / layers
+        scattered = sum(_block(result[p])["reduce_scatter"][1] - _block(result[p])["reduce_scatter"][0] * AR_HEADERS for p in phases) / layers
+        # Megatron's split: all-gathers and reduce-scatters each half of 8·b·s·h·(t−1)/t. gloo's reduce-scatter
+        # is an all-reduce (2(t−1)/t of the input): its half costs twice that, 1.5× the formula in all.
+        assert gathered == pytest.approx(_megatron_bytes_per_layer(2) / 2, rel=0.05)
+        assert scattered == pytest.approx(_megatron_bytes_per_layer(2), rel=0.05)
         # LayerNorm weights see only their sequence shard: their partial gradients are summed, in one call.
         assert list(result["sync"]) == ["tp_grad_allreduce"] and result["sync"]["tp_grad_allreduce"][0] == 1
 

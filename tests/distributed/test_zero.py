@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from parallelkit.distributed.collectives import reduce_scatter
+from parallelkit.callbacks.run_summary import os_bytes_written
 from parallelkit.distributed.comm_stats import CommStats
 from parallelkit.distributed.zero_optimizer import ZeroOptimizer
 from tests.distributed.harness import run_ranks
@@ -45,9 +46,9 @@ def _train_zero(rank: int, world_size: int, stage: int, skip_all_gather: bool, b
     zero = ZeroOptimizer(optimizer, stage=stage, shard_group=dist.group.WORLD, param_names=names, bucket_mb=bucket_mb, comm_stats=stats)
     x, y = _data()
     rows = slice(rank * BATCH // world_size, (rank + 1) * BATCH // world_size)  # this rank's rows only
-    params, sent = [], []
+    params, sent, written = [], [], []
     for step in range(STEPS):
-        before = stats.bytes()
+        before, before_written = stats.bytes(), os_bytes_written()
         optimizer.zero_grad(set_to_none=True)
         # Mean over this rank's rows; the ranks' average is the mean over the global batch.
         torch.nn.functional.mse_loss(model(x[step, rows]), y[step, rows]).backward()
@@ -56,8 +57,9 @@ def _train_zero(rank: int, world_size: int, stage: int, skip_all_gather: bool, b
         if not skip_all_gather:
             zero.all_gather_params()
         sent.append(stats.bytes() - before)
+        written.append(os_bytes_written() - before_written)
         params.append({n: p.detach().clone() for n, p in model.named_parameters()})
-    return {"params": params, "sent": sent, "state_bytes": zero.state_bytes(), "full_state": zero.full_state_dict()}
+    return {"params": params, "sent": sent, "written": written, "state_bytes": zero.state_bytes(), "full_state": zero.full_state_dict()}
 
 
 def _reference() -> tuple[list[dict], torch.optim.Optimizer, torch.nn.Module]:
@@ -83,9 +85,13 @@ def test_zero_optimizer_matches_one_process(stage, bucket_mb, tmp_path):
         for step in range(STEPS):
             for name, value in reference[step].items():
                 torch.testing.assert_close(result["params"][step][name], value, rtol=1e-6, atol=1e-7, msg=f"rank {rank} step {step} {name}")
-        # Traffic: reduce-scatter (n−1)/n of the padded buckets + all-gather (n−1) shards = 2(n−1)/n × 4 bytes × Ψ.
+        # Traffic: what was counted is what the process wrote, byte for byte; that is reduce-scatter (n−1)/n of
+        # the padded buckets + all-gather (n−1) shards = 2(n−1)/n × 4 bytes × Ψ, plus gloo's message headers.
+        assert result["sent"] == result["written"], (result["sent"], result["written"])
         padded_slack = 4 * world * 8  # at most n−1 padding elements per bucket, few buckets
-        assert all(abs(s - 2 * (world - 1) / world * 4 * numel) <= padded_slack for s in result["sent"]), result["sent"]
+        headers = 48 * 3 * 3 * (world - 1) * 16  # 3 headers per message; 3(n−1) messages per bucket; ≤ 16 buckets
+        theory = 2 * (world - 1) / world * 4 * numel
+        assert all(theory - padded_slack <= w <= theory + padded_slack + headers for w in result["written"]), result["written"]
         # Each rank keeps 1/n of AdamW's two moments (plus one step counter per bucket).
         adam = 2 * 4 * numel
         assert adam / world <= result["state_bytes"]["optimizer"] <= adam / world + 4 * 64
@@ -110,13 +116,19 @@ def _reduce_scatter(rank: int, world_size: int) -> dict:
     inputs = [torch.arange(12, dtype=torch.float32) * (r + 1) + r for r in range(world_size)]  # rank r's input
     out = torch.empty(12 // world_size)
     stats = CommStats()
-    reduce_scatter(out, inputs[rank].clone(), dist.group.WORLD, stats)
+    full = inputs[rank].clone()
+    dist.barrier()
+    before = os_bytes_written()
+    reduce_scatter(out, full, dist.group.WORLD, stats)
+    written = os_bytes_written() - before
     expected = torch.stack(inputs).sum(0).view(world_size, -1)[rank]
-    return {"out": out, "expected": expected, "sent": stats.bytes()}
+    return {"out": out, "expected": expected, "sent": stats.bytes(), "written": written}
 
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_all_to_all_reduce_scatter_sums_and_sends_n_minus_1_over_n(world, tmp_path):
     for rank, result in enumerate(run_ranks(_reduce_scatter, world, tmp_path)):
         torch.testing.assert_close(result["out"], result["expected"], rtol=0, atol=0)
-        assert result["sent"] == (world - 1) * 12 // world * 4, rank  # one chunk of 12/world floats to each peer
+        assert result["sent"] == result["written"], rank
+        # one chunk of 12/world floats to each peer, one message each way per peer (gloo: 3 headers of 48 bytes)
+        assert result["written"] - (world - 1) * 3 * 48 == (world - 1) * 12 // world * 4, rank

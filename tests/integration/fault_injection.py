@@ -41,6 +41,23 @@ class SigtermRank(Callback):
             os.kill(os.getpid(), signal.SIGTERM)
 
 
+class SigtermDuringValidation(Callback):
+    """Send SIGTERM to global rank ``rank`` at the first batch of the first validation after step ``after_step``."""
+
+    def __init__(self, rank: int, after_step: int) -> None:
+        self.rank = rank
+        self.after_step = after_step
+        self.sent = False
+
+    def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0) -> None:
+        import signal
+
+        if trainer.global_rank == self.rank and trainer.global_step >= self.after_step and not self.sent and not trainer.sanity_checking:
+            self.sent = True
+            print(f"fault_injection: SIGTERM to rank {self.rank} during the validation after step {trainer.global_step}", file=sys.stderr, flush=True)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
 class ForgetDataPosition(Callback):
     """A deliberately broken resume (negative control): drop the sampler's mid-epoch position before training."""
 
@@ -52,7 +69,8 @@ class ForgetDataPosition(Callback):
 
 class KillDuringSave(Callback):
     """Kill global rank ``rank`` in the middle of writing the ``nth`` checkpoint (1-based), after part of its
-    data is on disk: a sharded save (torch.distributed.checkpoint) or a single-file save (fsspec write)."""
+    data is on disk: a sharded save (torch.distributed.checkpoint) or a single-file save (parallelkit's atomic
+    writer, ``parallelkit.run_dir.write_atomically``)."""
 
     def __init__(self, rank: int, nth: int) -> None:
         self.rank = rank
@@ -63,10 +81,11 @@ class KillDuringSave(Callback):
         if trainer.global_rank != self.rank:
             return
         import torch.distributed.checkpoint as dcp
-        from fsspec.implementations.local import LocalFileOpener
+
+        from parallelkit import run_dir
 
         callback = self
-        real_save, real_write = dcp.save, LocalFileOpener.write
+        real_save, real_write = dcp.save, run_dir.write_atomically
 
         def dying(what: str, path) -> None:
             print(f"fault_injection: killing rank {callback.rank} while writing {what} {path}", file=sys.stderr, flush=True)
@@ -82,17 +101,77 @@ class KillDuringSave(Callback):
                 dying("sharded checkpoint", checkpoint_id)
             return real_save(state_dict, *args, checkpoint_id=checkpoint_id, **kwargs)
 
-        def write(opener, data):
-            if str(getattr(opener, "path", "")).endswith(".ckpt"):
+        def write_atomically(path, write):
+            if str(path).endswith(".ckpt"):
                 callback.saves += 1
                 if callback.saves == callback.nth:
-                    real_write(opener, data[: len(data) // 2])
-                    opener.flush()
-                    dying("checkpoint file", opener.path)
-            return real_write(opener, data)
+                    def half_then_die(file):
+                        write(file)
+                        file.truncate(file.tell() // 2)
+                        file.flush()
+                        dying("checkpoint file", path)
+                    return real_write(path, half_then_die)
+            return real_write(path, write)
 
         dcp.save = save
-        LocalFileOpener.write = write
+        run_dir.write_atomically = write_atomically
+
+
+class FailWrite(Callback):
+    """A full disk (simulated): the ``nth`` checkpoint write of global rank ``rank`` (1-based) fails with
+    ``ENOSPC`` after part of its data is written — in parallelkit's single-file writer, or inside
+    ``torch.distributed.checkpoint``'s file writer for a sharded checkpoint."""
+
+    def __init__(self, rank: int, nth: int) -> None:
+        self.rank = rank
+        self.nth = nth
+        self.writes = 0
+
+    def setup(self, trainer, pl_module, stage) -> None:
+        if trainer.global_rank != self.rank:
+            return
+        import errno
+
+        import torch.distributed.checkpoint as dcp
+        import torch.distributed.checkpoint.filesystem as dcp_files
+
+        from parallelkit import run_dir
+
+        callback = self
+        real_save, real_write, real_item = dcp.save, run_dir.write_atomically, dcp_files._write_item
+        failing = {"now": False}
+
+        def full(path) -> OSError:
+            print(f"fault_injection: rank {callback.rank}: no space left while writing {path}", file=sys.stderr, flush=True)
+            return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+        def save(state_dict, *args, checkpoint_id=None, **kwargs):
+            callback.writes += 1
+            failing["now"] = callback.writes == callback.nth
+            try:
+                return real_save(state_dict, *args, checkpoint_id=checkpoint_id, **kwargs)
+            finally:
+                failing["now"] = False
+
+        def write_item(transforms, stream, data, *args, **kwargs):
+            if failing["now"]:
+                stream.write(b"part of a shard")
+                raise full(getattr(stream, "name", "a shard"))
+            return real_item(transforms, stream, data, *args, **kwargs)
+
+        def write_atomically(path, write):
+            if str(path).endswith(".ckpt"):
+                callback.writes += 1
+                if callback.writes == callback.nth:
+                    def partial(file):
+                        file.write(b"part of a checkpoint")
+                        raise full(path)
+                    return real_write(path, partial)
+            return real_write(path, write)
+
+        dcp.save = save
+        dcp_files._write_item = write_item
+        run_dir.write_atomically = write_atomically
 
 
 class StepStamp(Callback):
@@ -131,3 +210,25 @@ class RequireCollector(Callback):
         if not gc.isenabled():
             raise RuntimeError(f"rank {trainer.global_rank}: the garbage collector is still off when training starts")
         print(f"fault_injection: rank {trainer.global_rank} trains with the collector on", file=sys.stderr, flush=True)
+
+
+class RecordListeners(Callback):
+    """Write the TCP sockets this rank listens on (``parallelkit.distributed.listeners.listening_sockets``) to
+    ``DIR/listeners_rank<R>.json`` once ``at_step`` steps are done: every store, process group and RPC agent
+    of the job exists by then, and the job is still running."""
+
+    def __init__(self, at_step: int, out_dir: str) -> None:
+        self.at_step = at_step
+        self.out_dir = out_dir
+        self.done = False
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step >= self.at_step and not self.done:
+            import json
+
+            self.done = True
+            from parallelkit.distributed.listeners import listening_sockets
+
+            path = os.path.join(self.out_dir, f"listeners_rank{trainer.global_rank}.json")
+            with open(path, "w") as f:
+                json.dump({"pid": os.getpid(), "listening": listening_sockets()}, f)

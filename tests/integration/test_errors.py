@@ -4,6 +4,7 @@ writing a summary; a rank that dies takes the job down quickly, with no process 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import time
 from pathlib import Path
@@ -12,13 +13,28 @@ import pytest
 
 from test_train import TINY, train
 
+from parallelkit.run_dir import checkpoint_step
+
 HERE = Path(__file__).resolve().parent
 
 BAD_INPUT = [
     # (overrides, exit code, words the message must contain)
-    (["strategy=nope"], 1, ["strategy", "Available options", "ddp", "single"]),
-    (["model=nope"], 1, ["model", "gpt", "mlp"]),
-    (["data=nope"], 1, ["data", "chars", "synthetic"]),
+    # Hydra's own composition errors (its message, exit 2 like every other bad input)
+    (["strategy=nope"], 2, ["strategy", "Available options", "ddp", "single"]),
+    (["model=nope"], 2, ["model", "gpt", "mlp"]),
+    (["data=nope"], 2, ["data", "chars", "synthetic"]),
+    (["trainer.max_stepz=3"], 2, ["trainer.max_stepz", "not in struct"]),
+    # optimizer and schedule arguments, checked before launch
+    (["optim.optimizer.lr=-1e-3"], 2, ["optim=adamw", "optim.optimizer.lr=-0.001", "Invalid learning rate"]),
+    (["optim.optimizer.lr=abc"], 2, ["optim.optimizer.lr='abc' should be a number"]),
+    (["optim.optimizer.betas=[1.5,0.9]"], 2, ["optim.optimizer.betas=[1.5, 0.9]", "Invalid beta parameter"]),
+    (["+optim.optimizer.lrr=1"], 2, ["optim.optimizer.lrr=1", "unexpected keyword argument 'lrr'"]),
+    (["optim=sgd", "optim.optimizer.momentum=-1"], 2, ["optim=sgd", "optim.optimizer.momentum=-1"]),
+    (["+optim.schedule.warmup=5"], 2, ["optim.schedule has no key warmup", "warmup_steps, decay_steps, min_lr_ratio"]),
+    (["optim.schedule.warmup_steps=-1"], 2, ["optim.schedule.warmup_steps", "Got -1"]),
+    (["optim.schedule.min_lr_ratio=2"], 2, ["optim.schedule.min_lr_ratio", "[0, 1]"]),
+    (["NO_TINY", "strategy=single", "model=ctr", "data=ctr", "data.rows_per_field=1000", "model.sparse=true"], 2,
+     ["model.sparse=true", "optim=adamw cannot take", "optim=adagrad"]),
     (["strategy=single", "trainer.devices=2"], 2, ["strategy=single", "trainer.devices", "strategy=ddp"]),
     (["strategy=ddp", "trainer.devices=2", "data.global_batch_size=9"], 2, ["data.global_batch_size=9", "2 data-parallel ranks", "multiple of 2"]),
     (["strategy=ddp", "trainer.devices=2", "strategy.dp=3"], 2, ["dp(3)", "sharding(1)", "tp(1)", "pp(1)", "2 processes"]),
@@ -33,6 +49,12 @@ BAD_INPUT = [
     (["strategy=zero", "strategy.stage=1", "strategy.offload=params"], 2, ["offload=params needs strategy.stage=3", "stage 1"]),
     (["strategy=zero", "strategy.stage=3", "strategy.offload=optimizer"], 2, ["offload=optimizer needs strategy.stage=1 or 2"]),
     (["strategy=zero", "strategy.offload=disk"], 2, ["strategy.offload must be one of none, optimizer, params", "'disk'"]),
+    # ZeRO knobs that the chosen stage ignores
+    (["strategy=zero", "strategy.stage=0", "strategy.sharding_group=2"], 2, ["strategy.sharding_group=2 cannot take effect with strategy.stage=0"]),
+    (["strategy=zero", "strategy.stage=2", "strategy.per_block=false"], 2, ["strategy.per_block=false cannot take effect with strategy.stage=2"]),
+    (["strategy=zero", "strategy.stage=1", "strategy.reshard_after_forward=false"], 2, ["strategy.reshard_after_forward=false", "strategy.stage=1"]),
+    (["strategy=zero", "strategy.stage=3", "strategy.bucket_cap_mb=5"], 2, ["strategy.bucket_cap_mb=5 cannot take effect with strategy.stage=3"]),
+    (["strategy=zero", "strategy.stage=1", "strategy.shard_min_params=1000"], 2, ["strategy.shard_min_params", "strategy.stage=1"]),
     (["callbacks=[amp]", "callbacks.amp.dtype=fp8"], 2, ["callbacks.amp.dtype must be one of", "'fp8'"]),
     (["callbacks=[amp]", "callbacks.amp.incr_ratio=4.0"], 2, ["callbacks.amp.incr_ratio only applies to dtype=fp16"]),
     (["recompute=most"], 2, ["recompute must be one of none, full, selective", "'most'"]),
@@ -91,20 +113,32 @@ def test_dead_rank_stops_the_job_fast(dead_rank, tmp_path):
     assert not leftovers, f"processes left behind: {leftovers}"
 
 
-@pytest.mark.parametrize("rank", [0, 1], ids=["rank0", "rank1"])
-def test_sigterm_stops_every_rank_with_a_failure_code(rank, tmp_path):
-    """A SIGTERM (a cluster's preemption) ends the job on all ranks, quickly, and never as a success."""
+@pytest.mark.parametrize("rank,on_signal", [(0, True), (1, True), (0, False), (1, False)],
+                         ids=["rank0", "rank1", "rank0-no-checkpoint", "rank1-no-checkpoint"])
+def test_sigterm_stops_every_rank_with_a_failure_code(rank, on_signal, tmp_path):
+    """A SIGTERM (a cluster's preemption) to one rank ends the job on all ranks, quickly, and never as a success:
+    by default after a checkpoint at a step boundary the ranks agree on; with checkpoint.on_signal=false at once."""
     term = ["+callbacks.term._target_=fault_injection.SigtermRank", f"+callbacks.term.rank={rank}", "+callbacks.term.at_step=3"]
     timeout_s = 60
     env = {"PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
+    run_dir = tmp_path / "run"
     start = time.monotonic()
-    proc = train([*TINY, "strategy=ddp", "trainer.devices=2", "trainer.max_steps=400", f"strategy.timeout_s={timeout_s}", *term, f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path, timeout=2 * timeout_s + 60, env=env, cold=True)
+    proc = train([*TINY, "strategy=ddp", "trainer.devices=2", "trainer.max_steps=400", f"strategy.timeout_s={timeout_s}", f"checkpoint.on_signal={on_signal}",
+                  "checkpoint.agree_every_s=0.2",  # the default 2 s can be more than these 400 tiny steps
+                  *term, f"hydra.run.dir={run_dir}"], cwd=tmp_path, timeout=2 * timeout_s + 60, env=env, cold=True)
     assert f"SIGTERM to rank {rank}" in proc.stderr
     assert proc.returncode != 0, proc.stderr[-3000:]
     assert time.monotonic() - start < timeout_s, "the job waited for the collective timeout instead of stopping"
-    if rank == 0:  # rank 1 sits in a collective rank 0 never joins: rank 0 tells it to go (not the timeout, not a kill)
+    assert not (run_dir / "summary.json").exists()
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    if on_signal:  # every rank took part in the checkpoint, then all left with SIGTERM's code
+        assert proc.returncode == 143, proc.stderr[-3000:]
+        step = int(re.search(r"stopped on SIGTERM after step (\d+)", proc.stderr).group(1))
+        assert 3 <= step < 400
+        assert checkpoint_step(run_dir / "checkpoints" / "last.ckpt") == step
+    elif rank == 0:  # rank 1 sits in a collective rank 0 never joins: rank 0 tells it to go (not the timeout, not a kill)
         assert "rank 1 stops: rank 0 ended the job" in proc.stderr, proc.stderr[-3000:]
-    assert not (tmp_path / "run" / "summary.json").exists()
+        assert not (run_dir / "checkpoints").exists()
 
 
 def test_stuck_rank_is_named_within_the_timeout(tmp_path):

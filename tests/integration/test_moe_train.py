@@ -92,3 +92,16 @@ def test_bad_moe_settings_exit_2_before_launch(overrides, words, tmp_path):
     for word in words:
         assert word in proc.stderr, proc.stderr[-3000:]
     assert not (tmp_path / "run" / "summary.json").exists()
+
+
+@pytest.mark.parametrize("model,says", [([*MOE, NO_DROPS], True), ([], False)], ids=["moe_gpt", "negative-control-dense-gpt"])
+def test_tensor_parallel_says_once_that_the_experts_are_replicated(model, says, tmp_path):
+    """strategy=tp splits attention and dense MLPs but keeps every expert whole on every tp rank: one line on
+    rank 0 says so and where to go instead; a model without experts gets no such line."""
+    proc = train([*TINY, *model, "strategy=tp", "strategy.tp=2", "trainer.devices=2",
+                  "trainer.max_steps=2", f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    said = [line for line in (proc.stdout + proc.stderr).splitlines() if "whole on every tensor-parallel rank" in line]
+    assert len(said) == (1 if says else 0), said
+    if says:
+        assert "4 experts of each of the 2 MoE layers" in said[0] and "strategy=moe" in said[0] and "strategy.ep" in said[0]

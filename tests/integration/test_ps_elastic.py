@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.integration.test_ps_train import CTR, PS
+from tests.integration.test_ps_train import CTR
 from tests.integration.test_train import REPO, run_ok
 
 HERE = Path(__file__).resolve().parent

@@ -63,12 +63,12 @@ def test_resume_without_the_data_position_is_caught(tmp_path):
 
 @pytest.mark.parametrize("strategy", [["strategy=ddp"], ["strategy=zero", "strategy.stage=3"]], ids=["file", "sharded"])
 def test_writer_killed_mid_save_leaves_the_previous_checkpoint_loadable(strategy, tmp_path):
-    # Checkpoints every 5 steps, each written twice (epoch=0-step=N.ckpt, then last.ckpt): the 4th save
+    # Checkpoints every 5 steps, each written twice (last.ckpt, then epoch=0-step=N.ckpt): the 3rd save
     # overwrites last.ckpt at step 10. The writer dies half-way through it; `last` must still be step 5.
     args = [*RESUME, *strategy, "trainer.devices=2"]
     straight = run_ok(args, tmp_path / "straight")
     run_dir = tmp_path / "killed"
-    kill = ["+callbacks.die._target_=fault_injection.KillDuringSave", "+callbacks.die.rank=0", "+callbacks.die.nth=4"]
+    kill = ["+callbacks.die._target_=fault_injection.KillDuringSave", "+callbacks.die.rank=0", "+callbacks.die.nth=3"]
     killed = train([*args, *kill, f"hydra.run.dir={run_dir}"], cwd=tmp_path, env=ENV)
     assert killed.returncode != 0 and "killing rank 0 while writing" in killed.stderr, killed.stderr[-2000:]
     resumed = run_ok([*args, "ckpt_path=last"], run_dir, env=ENV)

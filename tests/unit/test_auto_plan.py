@@ -1,13 +1,15 @@
-"""``strategy=auto``'s planner (parallelkit.auto_plan) on cases whose answer is known, in one process (meta models)."""
+"""``strategy=auto``'s choice (parallelkit.auto_plan over parallelkit.planner) on cases whose answer is known, in one process."""
 
 from __future__ import annotations
 
 import pytest
 
-from parallelkit.auto_plan import Candidate, Hardware, choose_layout, crosses_nodes, format_ranking, layouts
+from parallelkit.auto_plan import Candidate, Hardware, Link, choose_layout, crosses_nodes, format_ranking, layouts
 from parallelkit.distributed.parallel_dims import DP, PP, SHARDING, TP, ParallelDims
 from parallelkit.errors import ConfigError
-from parallelkit.plan import build_plan, build_workload, compose_config, model_shape, plan_options, rank_state_bytes
+from parallelkit.plan import build_plan, compose_config
+from parallelkit.planner.layout import Layout
+from parallelkit.planner.search import evaluate
 from parallelkit.strategies.auto import AutoStrategy
 
 TINY = ["model.n_layer=2", "model.n_embd=32", "model.n_head=2", "data.seq_len=16", "data.global_batch_size=16"]
@@ -19,8 +21,8 @@ GiB = 2**30
 
 
 def hardware(**kw) -> Hardware:
-    base = dict(devices_per_node=8, memory_per_device=80 * GiB, intra_node_bandwidth=1e11, inter_node_bandwidth=1e11,
-                intra_node_latency=1e-5, inter_node_latency=1e-5, flops_per_device=5e13)
+    base = dict(name="test", devices_per_node=8, memory_per_device=80 * GiB, matmul_flops={"fp32": 5e13, "bf16": 5e13},
+                memory_bandwidth=1e12, intra_node=Link(1e11, 1e-5), inter_node=Link(1e11, 1e-5))
     return Hardware(**{**base, **kw})
 
 
@@ -37,74 +39,61 @@ def test_axis_crosses_nodes_by_mesh_order():
     assert crosses_nodes(dims, PP, 4)  # pp groups are ranks 4 apart: one per node
     assert not crosses_nodes(dims, PP, 16)  # one node holds the whole job
     assert not crosses_nodes(dims, SHARDING, 1)  # degree 1: no group to cross with
-    # Put dp outermost instead: now dp crosses and pp stays inside a node of 8.
     moved = ParallelDims(16, dp=2, tp=2, pp=4, mesh_order=("dp", "pp", "sharding", "tp"))
     assert crosses_nodes(moved, DP, 8) and not crosses_nodes(moved, PP, 8)
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_model_state_follows_the_zero_formulas(stage):
-    cfg = compose_config(TINY)
-    datamodule, model = build_workload(cfg)
-    psi = sum(p.numel() for p in model.parameters())
-    n = 4
-    dims = ParallelDims(n, dp=1, sharding=n)
-    options = plan_options(model, dims, shape=model_shape(model, datamodule), rank_batch=4, slots=2, zero_stage=stage)
-    state, _, _ = rank_state_bytes(model, dims, {PP: 0}, options)
-    zero = {0: 16 * psi, 1: 8 * psi + 8 * psi / n, 2: 4 * psi + 12 * psi / n, 3: 16 * psi / n}[stage]
-    assert sum(state.values()) == pytest.approx(zero, abs=3)  # int() truncation of three terms
-
-
-def test_tiny_model_picks_pure_data_parallel():
+def test_tiny_model_is_not_split():
+    """A model that fits every rank whole gains nothing from tp (in-line collectives) or pp (a bubble)."""
     plan = choose_layout(compose_config(TINY), 4, hardware(devices_per_node=4))
-    assert plan.chosen.degrees == {DP: 4, SHARDING: 1, TP: 1, PP: 1}
-    assert plan.chosen.fits and plan.chosen.invalid is None
-    # Every other valid layout was considered and estimated slower.
-    others = [c for c in plan.candidates[1:] if c.invalid is None]
-    assert others and all(c.total_time > plan.chosen.total_time for c in others)
-    # tp=4 cannot split 2 heads: refused by hybrid4d's own check, with its reason.
-    tp4 = next(c for c in plan.candidates if c.degrees[TP] == 4)
-    assert tp4.invalid and "head" in tp4.invalid
+    chosen = plan.chosen
+    assert chosen.fits and chosen.invalid is None
+    assert chosen.degrees[TP] == 1 and chosen.degrees[PP] == 1 and chosen.layout.accumulate == 1
+    others = [c for c in plan.candidates[1:] if c.invalid is None and c.fits]
+    assert others and all(c.total_time >= chosen.total_time for c in others)
+    tp4 = next(c for c in plan.candidates if c.degrees[TP] == 4)  # 2 heads cannot be split 4 ways: refused, with why
+    assert tp4.invalid and "model.n_head=2" in tp4.invalid
     text = format_ranking(plan)
-    assert "chosen" in text and "dp=4 sharding=1 tp=1 pp=1" in text
+    assert "chosen" in text and chosen.label in text and "deciding terms" in text
 
 
 def test_model_too_large_for_one_device_is_sharded_or_split():
-    """Pure dp needs 16Ψ per rank > the device: the chosen layout splits the model state (sharding, tp, or a
-    pipeline — which of them is the cost model's trade-off between traffic and bubble)."""
+    """Pure dp needs 16Ψ per rank > the device: the chosen layout splits the model state."""
     cfg = compose_config(LARGE)
     memory = 1 * GiB
     plan = choose_layout(cfg, 8, hardware(memory_per_device=memory))
-    pure_dp = next(c for c in plan.candidates if c.degrees[DP] == 8)
-    assert pure_dp.invalid is None and not pure_dp.fits
-    assert pure_dp.memory["state"] >= 16 * plan.num_params  # the whole fp32 AdamW state on every rank
+    pure_dp = next(c for c in plan.candidates if c.degrees[DP] == 8 and c.invalid is None)
+    assert not pure_dp.fits and pure_dp.memory["state"] >= 16 * plan.num_params  # the whole fp32 AdamW state everywhere
     assert "doesn't fit" in format_ranking(plan, top=3)
     chosen = plan.chosen
     assert chosen.fits and chosen.memory["total"] <= memory
     assert chosen.degrees[SHARDING] * chosen.degrees[TP] * chosen.degrees[PP] > 1
     assert chosen.memory["state"] < memory < pure_dp.memory["state"]
-    # Without a pipeline to fall back on (pp needs blocks ≥ pp), only sharding or tp remain.
-    no_pp = [c for c in plan.candidates if c.fits and c.degrees[PP] == 1]
-    assert no_pp and all(c.degrees[SHARDING] > 1 or c.degrees[TP] > 1 for c in no_pp)
 
 
-def test_many_nodes_with_slow_links_put_the_pipeline_across_nodes():
+def test_many_nodes_with_slow_links_keep_heavy_traffic_inside_nodes():
     cfg = compose_config(DEEP)
-    slow = choose_layout(cfg, 32, hardware(inter_node_bandwidth=1e9, inter_node_latency=2e-5)).chosen
-    assert slow.degrees[PP] > 1 and slow.crosses_nodes[PP]
-    # The heavy traffic stays on the fast links: sharding's gathers and reduce-scatters and tp's all-reduces.
-    # (With sharding inside the node, the dp all-reduce across nodes carries only the 1/sharding gradient
-    # shard: the planner may let it cross, as it does here with sharding=8 × pp=2.)
-    assert not any(slow.crosses_nodes[a] for a in (SHARDING, TP))
-    if slow.crosses_nodes[DP]:
-        assert slow.degrees[SHARDING] >= 8
-    # Control: with fast links everywhere the planner lets far more bytes cross the nodes (plain dp over 16).
+    slow = choose_layout(cfg, 32, hardware(inter_node=Link(1e9, 2e-5))).chosen
+    # tp never crosses (refused unless allowed); the gathers and reduce-scatters of sharding stay on the fast links.
+    assert not slow.crosses_nodes[TP] and not slow.crosses_nodes[SHARDING]
     fast = choose_layout(cfg, 32, hardware()).chosen
 
     def across_nodes(c) -> float:
         return sum(v for axis, v in c.comm_bytes.items() if c.crosses_nodes.get(axis))
 
-    assert across_nodes(slow) * 5 < across_nodes(fast)
+    # Control: with fast links everywhere the planner lets several times more bytes cross the nodes.
+    assert across_nodes(slow) * 3 < across_nodes(fast)
+
+
+def test_tp_groups_stay_inside_a_node_unless_allowed():
+    cfg = compose_config(["model.n_layer=2", "model.n_embd=256", "model.n_head=16", "data.seq_len=16", "data.global_batch_size=16"])
+    hw = hardware(devices_per_node=2)
+    plan = choose_layout(cfg, 8, hw)
+    tp8 = next(c for c in plan.candidates if c.degrees[TP] == 8)
+    assert tp8.invalid and "span nodes" in tp8.invalid
+    allowed = choose_layout(cfg, 8, hw, allow_tp_across_nodes=True)
+    tp8 = next(c for c in allowed.candidates if c.degrees[TP] == 8)
+    assert tp8.invalid is None and tp8.crosses_nodes[TP]
 
 
 def test_nothing_fits_names_the_smallest_memory_needed():
@@ -115,9 +104,29 @@ def test_nothing_fits_names_the_smallest_memory_needed():
     with pytest.raises(ConfigError, match="no layout of 8 ranks fits") as err:
         choose_layout(cfg, 8, hardware(memory_per_device=need * 0.999))
     assert f"{need / GiB:.2f} GiB" in str(err.value) and smallest.label in str(err.value)
-    # At exactly that memory only layouts needing that little fit: one of them is chosen.
-    chosen = choose_layout(cfg, 8, hardware(memory_per_device=need)).chosen
+    chosen = choose_layout(cfg, 8, hardware(memory_per_device=need)).chosen  # at exactly that memory, it fits
     assert chosen.fits and chosen.memory["total"] == need
+
+
+def test_tight_memory_makes_the_search_accumulate_gradients():
+    """Gradient accumulation is a free parameter: with memory for 2 sequences' activations, not 4, pure dp
+    cuts its per-rank batch of 4 into 2 micro-batches."""
+    cfg = compose_config(["model.n_layer=2", "model.n_embd=64", "model.n_head=2", "data.seq_len=512", "data.global_batch_size=8"])
+    hw = hardware(devices_per_node=2)
+    whole = evaluate_dp(cfg, hw, accumulate=1)
+    half = evaluate_dp(cfg, hw, accumulate=2)
+    assert half.memory["activations"] < whole.memory["activations"]
+    limit = (whole.memory["total"] + half.memory["total"]) / 2
+    plan = choose_layout(cfg, 2, hardware(devices_per_node=2, memory_per_device=limit))
+    dp_only = [c for c in plan.candidates if c.fits and c.degrees[DP] == 2]
+    assert dp_only and all(c.layout.accumulate >= 2 for c in dp_only)
+
+
+def evaluate_dp(cfg, hw, accumulate: int):
+    from parallelkit.auto_plan import workload_of
+
+    w = workload_of(cfg)
+    return evaluate(w, hw, Layout(2, 1, 1, 1, micro_batch=4 // accumulate, accumulate=accumulate))
 
 
 def test_auto_strategy_refuses_degrees_and_bad_hardware():
@@ -126,26 +135,31 @@ def test_auto_strategy_refuses_degrees_and_bad_hardware():
     with pytest.raises(ConfigError, match="strategy.hardware has no"):
         AutoStrategy(hardware={"bandwidth": 1})
     with pytest.raises(ConfigError, match="flops_per_device should be a number greater than 0"):
-        AutoStrategy(hardware={"flops_per_device": 0}).resolve_hardware(2)
+        AutoStrategy(hardware={"flops_per_device": 0})
+    with pytest.raises(ConfigError, match="neither a named profile"):
+        AutoStrategy(hardware="no_such_profile").resolve_hardware(2)
 
 
-def test_auto_strategy_resolves_to_hybrid4d_at_the_chosen_degrees():
-    cfg = compose_config([*TINY, "strategy=auto"])
+def test_auto_strategy_resolves_to_hybrid4d_at_the_chosen_degrees_and_accumulation():
     from hydra.utils import instantiate
 
+    cfg = compose_config([*TINY, "strategy=auto"])
     auto = instantiate(cfg.strategy)
     strategy = auto.resolve(cfg, 2, 1)
     assert strategy.strategy_name == "hybrid4d"
     assert strategy.plan(2).as_dict() == {**auto.auto_plan.chosen.degrees, "ep": 1}
     assert strategy.summary_metrics(None)["auto_plan"]["chosen"] == auto.auto_plan.chosen.degrees
+    trainer_cfg = {"accumulate_grad_batches": 7}
+    strategy.bind_trainer_config(trainer_cfg)  # run.py cuts the batch and builds the Trainer from this afterwards
+    assert trainer_cfg["accumulate_grad_batches"] == auto.auto_plan.chosen.layout.accumulate
 
 
 def test_dry_run_shows_the_layout_auto_would_train():
     plan = build_plan([*TINY, "strategy=auto", "trainer.devices=4"])
     assert plan.strategy == "hybrid4d"
-    assert plan.dims.as_dict() == {DP: 4, SHARDING: 1, TP: 1, PP: 1, "ep": 1}  # tiny model: pure dp, as above
+    assert plan.dims.as_dict()[TP] == 1 and plan.dims.as_dict()[PP] == 1  # tiny model: not split, as above
 
 
 def test_candidate_reports_why_it_does_not_fit():
-    c = Candidate({DP: 1, SHARDING: 1, TP: 1, PP: 1}, memory={"total": 3 * GiB})
+    c = Candidate(Layout(1, 1, 1, 1), memory={"total": 3 * GiB})
     assert "3.00 GiB" in c.why_not(2 * GiB)

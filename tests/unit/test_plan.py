@@ -97,6 +97,30 @@ def test_per_rank_params_equal_a_direct_count_on_the_split_model():
     assert len(set(counted)) > 1  # the two stages differ (embeddings vs head): not a trivial equality
 
 
+def test_hf_model_per_rank_params_equal_a_direct_count_on_the_split_model():
+    """The same count for a Hugging Face Llama (``model=hf``): its plans come from its transformers config."""
+    from parallelkit.distributed.pipeline_parallel import stage_blocks
+    from parallelkit.distributed.tensor_parallel import apply_tp
+    from parallelkit.models.hf import HFCausalLM
+    from parallelkit.models.plans import model_plans
+
+    plan = build_plan(["model=hf", "data.seq_len=16", "strategy=hybrid4d", "strategy.tp=2", "strategy.pp=2", "strategy.dp=1",
+                       "trainer.devices=4"])
+    assert "hidden 64" in plan.notes[0]  # the transformers config's sizes (hidden_size), not a GPT's
+    assert all(r.comm_bytes[TP] > 0 and r.comm_bytes[PP] > 0 for r in plan.ranks)
+    counted = []
+    for rank in range(4):
+        with fake_world(4, rank):
+            mesh = plan.dims.build_mesh("cpu")
+            model = HFCausalLM(vocab_size=128, block_size=16)
+            assert sum(p.numel() for p in model.parameters()) == plan.num_params
+            plans = model_plans(model)
+            apply_tp(model, mesh["tp"], plans.tensor_parallel_plan(2))
+            plans.pipeline_stages(stage_blocks(plans.pipeline_blocks(), 2), [plan.dims.coordinates(rank)[PP]])
+            counted.append(sum(p.to_local().numel() * 4 for p in model.parameters()))
+    assert [r.state_bytes["params"] for r in plan.ranks] == counted and len(set(counted)) > 1
+
+
 def test_cli_prints_the_64_rank_plan_and_draws_it(tmp_path, capsys):
     png = tmp_path / "plan.png"
     code = main([*TINY, "strategy=hybrid4d", "strategy.tp=2", "strategy.pp=2", "trainer.devices=64", "--png", str(png)])

@@ -8,7 +8,7 @@ import lightning.pytorch as pl
 
 from parallelkit.callbacks.base import ParallelKitCallback
 from parallelkit.callbacks.run_summary import log_step_metrics
-from parallelkit.distributed.comm_stats import sent_bytes
+from parallelkit.distributed.comm_stats import collective_bytes
 from parallelkit.distributed.hierarchical_allreduce import INTER, INTRA, build_hierarchical_state, hierarchical_allreduce_hook
 from parallelkit.errors import ConfigError
 from parallelkit.strategies.base import DDP_COMM_HOOK, require_capabilities
@@ -58,6 +58,8 @@ class HierarchicalAllReduce(ParallelKitCallback):
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._grad_bytes = sum(p.numel() * p.element_size() for p in pl_module.parameters() if p.requires_grad)
+        # What one rank writes in a flat all-reduce of every gradient, on the same backend (framing included).
+        self._flat_bytes = collective_bytes(self._grad_bytes, "all_reduce", trainer.strategy.data_parallel_group)
 
     def _bytes(self, trainer: pl.Trainer) -> tuple[int, int]:
         stats = trainer.strategy.comm_stats
@@ -83,7 +85,7 @@ class HierarchicalAllReduce(ParallelKitCallback):
         intra, inter = self._bytes(trainer)
         # Inter-group traffic of the whole job (summed over ranks): only leaders send across groups.
         totals = trainer.strategy.global_mean(torch.tensor([float(intra), float(inter)], dtype=torch.float64)) * trainer.world_size
-        flat = sent_bytes("all_reduce", self._grad_bytes, world)
+        flat = self._flat_bytes
         # A flat ring over consecutive ranks crosses groups on `groups` of its links, each carrying what a
         # rank sends (2(n-1)/n of the gradients); the leaders' ring sends 2(G-1)/G of them per leader.
         flat_inter = groups * flat if groups > 1 else 0.0

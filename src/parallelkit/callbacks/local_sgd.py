@@ -9,7 +9,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from parallelkit.callbacks.base import ParallelKitCallback
 from parallelkit.callbacks.run_summary import log_step_metrics
-from parallelkit.distributed.comm_stats import sent_bytes
+from parallelkit.distributed.comm_stats import collective_bytes
 from parallelkit.distributed.local_sgd import GRAD_ALLREDUCE, PARAM_AVERAGE, LocalSGD, LocalSGDState, local_sgd_hook
 from parallelkit.errors import ConfigError
 from parallelkit.strategies.base import DDP_COMM_HOOK, REPLICATED_PARAMS, require_capabilities
@@ -81,8 +81,9 @@ class LocalSGDCallback(ParallelKitCallback):
                               adaptive=self.adaptive, max_period=self.max_period)
         if self._loaded:
             self.local.load_state_dict(self._loaded)
-        world = trainer.strategy.parallel_dims.data_parallel_size
-        self._dense_step_bytes = sent_bytes("all_reduce", sum(p.numel() * p.element_size() for p in params), world)
+        # What plain DDP's gradient all-reduce writes per step on the same backend (framing included).
+        grad_bytes = sum(p.numel() * p.element_size() for p in params)
+        self._dense_step_bytes = collective_bytes(grad_bytes, "all_reduce", trainer.strategy.data_parallel_group)
         self._last_bytes = self._bytes(trainer)
         if any("betas" in group for opt in trainer.optimizers for group in opt.param_groups):
             # Adam's steps are normalised per coordinate: where the ranks' gradients disagree in sign their

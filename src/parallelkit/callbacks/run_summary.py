@@ -269,8 +269,10 @@ def print_summary_table(summary: dict[str, Any], output_dir: Path) -> None:
         ("params / grads / optimizer (max rank)", " / ".join(mib(v) for v in summary["model_state_bytes"].values())),
         ("peak RSS (max rank)", mib(summary["peak_rss_bytes"])),
         ("comm per step (per rank)", f"{mib(summary['comm']['bytes_sent_per_step'])} in {summary['comm']['collectives_per_step'] or 0:.1f} collectives"),
-        ("summary", str(output_dir / "summary.json")),
     ]
     for row in rows:
         table.add_row(*row)
     Console().print(table)
+    # Below the table, whole and as typed: a table cell is cut to the terminal's width ("…/outputs/d…"), and
+    # Rich would read a run directory's "[amp]" (callbacks=[amp]) as markup.
+    print(f"summary: {output_dir / 'summary.json'}", flush=True)

@@ -1,1 +1,2 @@
-"""Datamodules: ``chars`` (real text), ``synthetic`` (seeded regression)."""
+"""Datamodules: ``chars`` (real text, characters), ``text`` (your own files, tokenized), ``synthetic`` (seeded
+regression), ``ctr`` (click logs), ``raster`` (tiles of a large image)."""

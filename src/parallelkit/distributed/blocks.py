@@ -6,8 +6,8 @@ shared by :mod:`~parallelkit.distributed.fsdp`, :mod:`~parallelkit.distributed.r
 :mod:`~parallelkit.distributed.compile`:
 
 - **repeated blocks** (the default, as FSDP's wrap policies find them): ``model.sharding_units()`` if the
-  model names its units, else every child of an ``nn.ModuleList`` / ``nn.ModuleDict`` (a transformer's
-  layers);
+  model names its units, else every child of an ``nn.ModuleList`` / ``nn.ModuleDict`` that is not inside another
+  one (a transformer's layers, not the experts of a layer's MoE block);
 - **by class** (``strategy.shard_modules=[Block, ...]``): every module of a listed class or a subclass of
   one (its name, or ``module.QualifiedName``) — FSDP's ``ModuleWrapPolicy``;
 - **by size** (``strategy.shard_min_params=N``): bottom-up, every module holding at least ``N`` parameters not
@@ -26,13 +26,19 @@ from parallelkit.errors import ConfigError
 
 
 def repeated_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """``model.sharding_units()`` if defined, else the children of every ``ModuleList``/``ModuleDict``."""
+    """``model.sharding_units()`` if defined, else the children of every ``ModuleList``/``ModuleDict`` that no other
+    such child contains (a transformer's layers, not the experts inside a layer's MoE block)."""
     if callable(getattr(model, "sharding_units", None)):
         return list(model.sharding_units())
-    units = []
-    for module in model.modules():
+    units: list[torch.nn.Module] = []
+    inside: set[int] = set()
+    for module in model.modules():  # pre-order: an outer block comes before what it contains
+        if id(module) in inside:
+            continue
         if isinstance(module, (torch.nn.ModuleList, torch.nn.ModuleDict)):
-            units.extend(module.children())
+            for child in module.children():
+                units.append(child)
+                inside.update(id(m) for m in child.modules())
     return units
 
 

@@ -6,7 +6,8 @@ send about 1.5-2× the ZeRO paper's bytes on CPU. :func:`reduce_scatter` instead
 input straight to rank ``j`` with one ``all_to_all_single`` and sums the ``n`` chunks it receives: (n−1)/n
 of the buffer leaves each rank, the bandwidth-optimal figure. On NCCL the native collective is used.
 
-Both functions record what they send in a :class:`CommStats` (see :func:`comm_stats.sent_bytes`).
+Every function records what it sends in a :class:`CommStats`, as the collective that really runs (on gloo the
+reduce-scatter is counted as the all-to-all it is; see :func:`comm_stats.wire_bytes`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,11 @@ import torch
 import torch.distributed as dist
 
 from parallelkit.distributed.comm_stats import CommStats
+
+# torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor (the old names warn on every rank); older torch
+# has only the old ones.
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def _group_size(group: Any) -> int:
@@ -31,14 +37,16 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: Any, stats:
     n = _group_size(group)
     if input.numel() != n * output.numel():
         raise ValueError(f"reduce_scatter: input has {input.numel()} elements, expected {n} × {output.numel()}")
-    if stats is not None:
-        stats.record(kind, input, "reduce_scatter", n)
     if n == 1:
         output.copy_(input.view_as(output))
         return
     if dist.get_backend(group) == "nccl":
-        dist.reduce_scatter_tensor(output, input, group=group)
+        if stats is not None:
+            stats.record(kind, input, "reduce_scatter", group)
+        reduce_scatter_single(output, input, group=group)
         return
+    if stats is not None:
+        stats.record(kind, input, "all_to_all", group)
     received = torch.empty_like(input)
     dist.all_to_all_single(received, input.contiguous(), group=group)
     torch.sum(received.view(n, -1), dim=0, out=output.view(-1))
@@ -48,11 +56,11 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group: Any, stats: Com
     """``output`` = the concatenation of every group rank's ``input`` (flat, in group-rank order)."""
     n = _group_size(group)
     if stats is not None:
-        stats.record(kind, input, "all_gather", n)
+        stats.record(kind, input, "all_gather", group)
     if n == 1:
         output.view(-1).copy_(input.view(-1))
         return
-    dist.all_gather_into_tensor(output, input.contiguous(), group=group)
+    all_gather_single(output, input.contiguous(), group=group)
 
 
 def all_reduce(tensor: torch.Tensor, group: Any, stats: CommStats | None = None, kind: str = "grad_all_reduce") -> None:
@@ -61,5 +69,5 @@ def all_reduce(tensor: torch.Tensor, group: Any, stats: CommStats | None = None,
     if n == 1:
         return
     if stats is not None:
-        stats.record(kind, tensor, "all_reduce", n)
+        stats.record(kind, tensor, "all_reduce", group)
     dist.all_reduce(tensor, group=group)

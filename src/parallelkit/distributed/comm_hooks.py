@@ -34,7 +34,7 @@ def allreduce_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.F
     tensor = bucket.buffer()
     tensor.div_(dist.get_world_size(state.process_group))
     if state.stats is not None:
-        state.stats.record(GRAD_ALLREDUCE, tensor, "all_reduce", dist.get_world_size(state.process_group))
+        state.stats.record(GRAD_ALLREDUCE, tensor, "all_reduce", state.process_group)
     work = dist.all_reduce(tensor, group=state.process_group, async_op=True)
     return work.get_future().then(lambda fut: fut.value()[0])
 
@@ -47,7 +47,7 @@ def fp16_compress_hook(state: HookState, bucket: dist.GradBucket) -> torch.futur
     buffer = bucket.buffer()
     compressed = buffer.to(torch.float16).div_(dist.get_world_size(state.process_group))
     if state.stats is not None:
-        state.stats.record(GRAD_ALLREDUCE, compressed, "all_reduce", dist.get_world_size(state.process_group))
+        state.stats.record(GRAD_ALLREDUCE, compressed, "all_reduce", state.process_group)
     work = dist.all_reduce(compressed, group=state.process_group, async_op=True)
 
     def decompress(fut: torch.futures.Future) -> torch.Tensor:
@@ -114,7 +114,7 @@ class _CountingDist:
         group = kwargs.get("group", args[1] if len(args) > 1 else None)
         stats = self.counters.get(id(group if group is not None else self._real.group.WORLD))
         if stats is not None:
-            stats.record(POWERSGD_ALLREDUCE, tensor, "all_reduce", self._real.get_world_size(group))
+            stats.record(POWERSGD_ALLREDUCE, tensor, "all_reduce", group)
         return self._real.all_reduce(tensor, *args, **kwargs)
 
 
@@ -136,16 +136,15 @@ class CompressionState:
     inner_state: Any
     process_group: Any
     stats: Optional[CommStats] = None
-    dense_bytes: float = 0.0  # what a plain fp32 ring all-reduce of the same buckets would have sent
+    dense_bytes: float = 0.0  # what a plain all-reduce of the same buckets would have sent (same backend)
     buckets: int = 0
 
 
 def compression_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Run the compressing hook; remember the uncompressed cost for the compression ratio."""
-    from parallelkit.distributed.comm_stats import sent_bytes
+    from parallelkit.distributed.comm_stats import collective_bytes
 
-    buffer = bucket.buffer()
-    state.dense_bytes += sent_bytes("all_reduce", buffer.numel() * buffer.element_size(), dist.get_world_size(state.process_group))
+    state.dense_bytes += collective_bytes(bucket.buffer(), "all_reduce", state.process_group)
     state.buckets += 1
     return state.inner(state.inner_state, bucket)
 

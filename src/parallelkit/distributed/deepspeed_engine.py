@@ -6,9 +6,11 @@ the way ``summary.json`` needs them are measured here:
 
 - **Traffic.** Every collective DeepSpeed issues goes through ``deepspeed.comm``'s backend object (its ZeRO
   and engine code import ``deepspeed.comm as dist``, never ``torch.distributed``). ``count_deepspeed_comm``
-  wraps that object's methods and records each call in a :class:`CommStats` under ``deepspeed_<op>``, as
-  the bytes the collective's bandwidth-optimal algorithm sends from this rank (:func:`sent_bytes`). What is
-  counted is exact (the tensors handed over); how gloo moves them on the wire is the algorithm's figure.
+  wraps that object's methods and records each call in a :class:`CommStats` under ``deepspeed_<op>``, at the
+  algorithm the group's backend runs (:func:`~parallelkit.distributed.comm_stats.wire_bytes`). On gloo,
+  whose reduce-scatter is an all-reduce plus a slice, ZeRO-3's gradient reduce-scatter is routed through
+  parallelkit's one-all-to-all reduce-scatter (:func:`~parallelkit.distributed.collectives.reduce_scatter`),
+  which sends half the bytes.
 - **Memory.** ``deepspeed_state_bytes`` walks the ZeRO optimizer object graph (flat parameter buffers, fp32
   master partitions, gradient partitions, reduce buckets, the torch optimizer's state) and sums distinct
   storages once each, so a view into a flat buffer is not counted twice and a buffer nobody names in
@@ -26,7 +28,7 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from parallelkit.distributed.comm_stats import CommStats, sent_bytes
+from parallelkit.distributed.comm_stats import CommStats
 
 KIND_PREFIX = "deepspeed_"
 _MAX_DEPTH = 8
@@ -48,6 +50,8 @@ def apply_deepspeed(module: torch.nn.Module, optimizer: torch.optim.Optimizer, c
     if not dist.is_initialized():
         raise RuntimeError("apply_deepspeed needs an initialised default process group (torch.distributed).")
     deepspeed = _import_deepspeed(dist.get_backend())
+    if dist.get_backend() == "gloo":
+        _ask_device_count_once()
     engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, config=config, dist_init_required=False)
     if comm_stats is not None:
         count_deepspeed_comm(comm_stats)
@@ -59,43 +63,86 @@ def _import_deepspeed(backend: str) -> Any:
         # Otherwise DeepSpeed probes for accelerators and warns that it fell back to the CPU.
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import deepspeed
+    import deepspeed.comm.torch as ds_torch_comm
 
     deepspeed.utils.logger.setLevel(logging.WARNING)  # its INFO lines repeat the config on every rank
+    # DeepSpeed's communication backend compiles its shared-memory all-reduce op (deepspeed_shm_comm: gcc, ~50 s
+    # on a first run, cached under TORCH_EXTENSIONS_DIR) as it starts, on the CPU accelerator. The op serves
+    # inference_all_reduce only (DeepSpeed's inference tensor parallelism), which training never calls and
+    # which falls back to torch.distributed.all_reduce without it: start without building it.
+    ds_torch_comm.build_shm_op = _no_shm_op
     return deepspeed
 
 
+def _no_shm_op() -> None:
+    """Stands in for ``deepspeed.comm.torch.build_shm_op``: no op, so nothing is compiled (see above)."""
+    return None
+
+
+def _ask_device_count_once() -> None:
+    """DeepSpeed 0.19.8's CPU accelerator runs ``numactl --hardware`` in a subprocess at every ``device_count()``,
+    which ZeRO-3 calls for every gradient bucket: a fork and exec per bucket per step (found through the bytes
+    the failing exec wrote when numactl is missing). The answer does not change during a run: ask once."""
+    from deepspeed.accelerator import get_accelerator
+
+    accelerator = get_accelerator()
+    if getattr(accelerator, "_parallelkit_device_count", None) is None:
+        count = accelerator.device_count()
+        accelerator._parallelkit_device_count = count
+        accelerator.device_count = lambda: count
+
+
 # ----------------------------------------------------------------------------------------------- traffic
-def _group_size(arguments: dict[str, Any]) -> int:
-    return dist.get_world_size(arguments.get("group"))
-
-
 def _nbytes(tensors: Any) -> int:
     if isinstance(tensors, torch.Tensor):
         return tensors.numel() * tensors.element_size()
     return sum(_nbytes(t) for t in tensors)
 
 
-def _reduce_bytes(payload: int, n: int, root: int) -> float:
-    # Bandwidth-optimal reduce: a reduce-scatter, then every rank but the root sends its slice to the root.
-    return sent_bytes("reduce_scatter", payload, n) + (0 if dist.get_rank() == root else payload / n)
+def _flat(stats: CommStats, kind: str, op: str, tensors: Any, arguments: dict[str, Any]) -> None:
+    """A coalesced list that gloo flattens into one collective (all-reduce, all-gather)."""
+    tensors = list(tensors)
+    if tensors:
+        stats.record(kind, _nbytes(tensors), op, arguments["group"], element_size=tensors[0].element_size())
 
 
-# Backend method → (its parameters in order, bytes this rank sends). DeepSpeed passes arguments by position,
+# Backend method → (its parameters in order, how to count one call). DeepSpeed passes arguments by position,
 # and its decorators hide the signatures, hence the names here (those of deepspeed.comm.torch.TorchBackend).
-_COUNTERS: dict[str, tuple[tuple[str, ...], Callable[[dict[str, Any]], float]]] = {
-    "all_reduce": (("tensor", "op", "group"), lambda a: sent_bytes("all_reduce", _nbytes(a["tensor"]), _group_size(a))),
-    "all_reduce_coalesced": (("tensors", "op", "group"), lambda a: sent_bytes("all_reduce", _nbytes(a["tensors"]), _group_size(a))),
-    "reduce": (("tensor", "dst", "op", "group"), lambda a: _reduce_bytes(_nbytes(a["tensor"]), _group_size(a), a["dst"])),
-    "reduce_scatter_tensor": (("output_tensor", "input_tensor", "op", "group"), lambda a: sent_bytes("reduce_scatter", _nbytes(a["input_tensor"]), _group_size(a))),
-    "reduce_scatter": (("output", "input_list", "op", "group"), lambda a: sent_bytes("reduce_scatter", _nbytes(a["input_list"]), _group_size(a))),
-    "all_gather_into_tensor": (("output_tensor", "input_tensor", "group"), lambda a: sent_bytes("all_gather", _nbytes(a["input_tensor"]), _group_size(a))),
-    "all_gather_base": (("output_tensor", "input_tensor", "group"), lambda a: sent_bytes("all_gather", _nbytes(a["input_tensor"]), _group_size(a))),
-    "all_gather": (("tensor_list", "tensor", "group"), lambda a: sent_bytes("all_gather", _nbytes(a["tensor"]), _group_size(a))),
-    "all_gather_coalesced": (("output_tensors", "input_tensors", "group"), lambda a: sent_bytes("all_gather", _nbytes(a["input_tensors"]), _group_size(a))),
-    # Only the source sends (a relaying tree or ring spreads the same bytes over the others).
-    "broadcast": (("tensor", "src", "group"), lambda a: _nbytes(a["tensor"]) if dist.get_rank() == a["src"] and _group_size(a) > 1 else 0),
-    "all_to_all_single": (("output", "input", "output_split_sizes", "input_split_sizes", "group"), lambda a: sent_bytes("all_to_all", _nbytes(a["input"]), _group_size(a))),
+# Each call is counted at the algorithm the group's backend runs (CommStats.record with the group).
+_COUNTERS: dict[str, tuple[tuple[str, ...], Callable[[CommStats, str, dict[str, Any]], Any]]] = {
+    "all_reduce": (("tensor", "op", "group"), lambda s, k, a: s.record(k, a["tensor"], "all_reduce", a["group"])),
+    "all_reduce_coalesced": (("tensors", "op", "group"), lambda s, k, a: _flat(s, k, "all_reduce", a["tensors"], a)),
+    "reduce": (("tensor", "dst", "op", "group"), lambda s, k, a: s.record(k, a["tensor"], "reduce", a["group"], root=a["dst"])),
+    "reduce_scatter_tensor": (("output_tensor", "input_tensor", "op", "group"), lambda s, k, a: s.record(k, a["input_tensor"], "reduce_scatter", a["group"])),
+    # the list form on NCCL (on gloo it is routed, below)
+    "reduce_scatter": (("output", "input_list", "op", "group"), lambda s, k, a: s.record(
+        k, _nbytes(a["input_list"]), "reduce_scatter", a["group"], element_size=a["output"].element_size())),
+    "all_gather_into_tensor": (("output_tensor", "input_tensor", "group"), lambda s, k, a: s.record(k, a["input_tensor"], "all_gather", a["group"])),
+    "all_gather_base": (("output_tensor", "input_tensor", "group"), lambda s, k, a: s.record(k, a["input_tensor"], "all_gather", a["group"])),
+    "all_gather": (("tensor_list", "tensor", "group"), lambda s, k, a: s.record(k, a["tensor"], "all_gather", a["group"])),
+    # one all-gather per tensor inside a coalescing manager, which hands gloo one flattened all-gather
+    "all_gather_coalesced": (("output_tensors", "input_tensors", "group"), lambda s, k, a: _flat(s, k, "all_gather", a["input_tensors"], a)),
+    "broadcast": (("tensor", "src", "group"), lambda s, k, a: s.record(k, a["tensor"], "broadcast", a["group"], root=a["src"])),
+    "all_to_all_single": (("output", "input", "output_split_sizes", "input_split_sizes", "group"), lambda s, k, a: s.record(
+        k, a["input"], "all_to_all", a["group"], peer_bytes=_split_bytes(a["input"], a.get("input_split_sizes")))),
 }
+
+
+def _split_bytes(tensor: torch.Tensor, splits: Any) -> list[int] | None:
+    if not splits:
+        return None
+    row = _nbytes(tensor) // max(tensor.shape[0], 1)
+    return [int(n) * row for n in splits]
+
+
+class _Done:
+    """The handle of a collective that already completed (DeepSpeed may ask for one with ``async_op=True``)."""
+
+    def wait(self, *args: Any, **kwargs: Any) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
 
 
 class _CommCounter:
@@ -105,15 +152,45 @@ class _CommCounter:
         self.stats = stats
         self.paused = 0
 
-    def wrap(self, op: str, method: Callable[..., Any], names: tuple[str, ...], count: Callable[[dict[str, Any]], float]) -> Callable[..., Any]:
+    def wrap(self, op: str, method: Callable[..., Any], names: tuple[str, ...], count: Callable[[CommStats, str, dict[str, Any]], Any]) -> Callable[..., Any]:
         def counted(*args: Any, **kwargs: Any) -> Any:
+            arguments = {"group": None, **dict(zip(names, args)), **kwargs}
+            if op in ("reduce_scatter_tensor", "reduce_scatter") and _routable(arguments):
+                return self._reduce_scatter(arguments)
             if not self.paused:
-                arguments = {"group": None, **dict(zip(names, args)), **kwargs}
-                self.stats.record(KIND_PREFIX + op, int(count(arguments)))
+                count(self.stats, KIND_PREFIX + op, arguments)
             return method(*args, **kwargs)
 
         counted.__wrapped__ = method
         return counted
+
+    def _reduce_scatter(self, a: dict[str, Any]) -> Any:
+        """gloo's reduce-scatter is an all-reduce plus a slice (2(n−1)/n of the input on the wire): DeepSpeed's
+        ZeRO-3 gradient reduce-scatter goes through parallelkit's one-all-to-all version instead ((n−1)/n)."""
+        from parallelkit.distributed.collectives import reduce_scatter
+
+        group = a["group"]
+        if "input_list" in a:  # the list form: this rank's chunk is one of the list's tensors
+            output, full = a["output"], torch.cat([t.reshape(-1) for t in a["input_list"]])
+        else:
+            output, full = a["output_tensor"], a["input_tensor"]
+        reduce_scatter(output, full, group, None if self.paused else self.stats, KIND_PREFIX + "reduce_scatter_tensor")
+        if _op_name(a) == "AVG":
+            output.div_(dist.get_world_size(group))
+        return _Done()
+
+
+def _op_name(arguments: dict[str, Any]) -> str:
+    # DeepSpeed hands over its own ReduceOp enum or torch's; both name their members SUM, AVG, ...
+    op = arguments.get("op")
+    return "SUM" if op is None else getattr(op, "name", str(op).rsplit(".", 1)[-1]).upper()
+
+
+def _routable(arguments: dict[str, Any]) -> bool:
+    if dist.get_backend(arguments["group"]) != "gloo" or _op_name(arguments) not in ("SUM", "AVG"):
+        return False
+    chunks = arguments.get("input_list")
+    return chunks is None or len({t.numel() for t in chunks}) == 1  # one all-to-all needs equal chunks
 
 
 def _backend() -> Any:

@@ -33,8 +33,9 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from parallelkit.distributed.collectives import all_gather_single
 from parallelkit.distributed.comm_hooks import counts_own_traffic
-from parallelkit.distributed.comm_stats import CommStats, sent_bytes
+from parallelkit.distributed.comm_stats import CommStats, collective_bytes
 
 DGC_SPARSE = "dgc_sparse_allgather"
 DGC_DENSE = "dgc_dense_allreduce"
@@ -42,9 +43,7 @@ DEFAULT_SPARSITY = (0.75, 0.9375, 0.984375, 0.996, 0.999)
 
 
 def _all_gather(output: torch.Tensor, tensor: torch.Tensor, group: Any) -> None:
-    # torch 2.13 renamed all_gather_into_tensor (the old name warns); keep both for older torch.
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    gather(output, tensor, group=group)
+    all_gather_single(output, tensor, group=group)
 
 
 class DGCState:
@@ -96,7 +95,8 @@ class DGCState:
         self.velocity: Dict[torch.Tensor, torch.Tensor] = {}  # v: accumulated, not yet sent
         self.momentum_buffer: Dict[torch.Tensor, torch.Tensor] = {}  # u
         self.last_sent: Dict[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]] = {}
-        # Per step (reset by begin_step): bytes this rank sent, and what a dense all-reduce would have sent.
+        # Per step (reset by begin_step): bytes this rank sent, and what a dense all-reduce would have sent
+        # (both as the backend writes them, framing included).
         self.step_sent_bytes = 0.0
         self.step_dense_bytes = 0.0
 
@@ -125,11 +125,11 @@ def topk_count(numel: int, sparsity: float) -> int:
     return max(1, math.ceil(numel * (1.0 - sparsity) - 1e-9))
 
 
-def _record(state: DGCState, kind: str, tensor: torch.Tensor, op: str, world: int) -> None:
-    nbytes = tensor.numel() * tensor.element_size()
-    state.step_sent_bytes += sent_bytes(op, nbytes, world)
+def _record(state: DGCState, kind: str, tensor: torch.Tensor, op: str) -> None:
     if state.stats is not None:
-        state.stats.record(kind, tensor, op, world)
+        state.step_sent_bytes += state.stats.record(kind, tensor, op, state.process_group)
+    else:
+        state.step_sent_bytes += collective_bytes(tensor, op, state.process_group)
 
 
 @torch.no_grad()
@@ -141,7 +141,7 @@ def dgc_hook(state: DGCState, bucket: dist.GradBucket) -> torch.futures.Future[t
     params = bucket.parameters()
     sparsity = state.sparsity_at(state.step)
     compressing = sparsity > 0
-    state.step_dense_bytes += sent_bytes("all_reduce", buffer.numel() * buffer.element_size(), world)
+    state.step_dense_bytes += collective_bytes(buffer, "all_reduce", state.process_group)  # what dense DDP would send
 
     offsets, offset = [], 0
     for param in params:
@@ -190,14 +190,14 @@ def dgc_hook(state: DGCState, bucket: dist.GradBucket) -> torch.futures.Future[t
         value = torch.cat(sparse_value)
         all_index = index.new_empty(world * index.numel())
         all_value = value.new_empty(world * value.numel())
-        _record(state, DGC_SPARSE, index, "all_gather", world)
+        _record(state, DGC_SPARSE, index, "all_gather")
         _all_gather(all_index, index, state.process_group)
-        _record(state, DGC_SPARSE, value, "all_gather", world)
+        _record(state, DGC_SPARSE, value, "all_gather")
         _all_gather(all_value, value, state.process_group)
         result.index_add_(0, all_index.long(), all_value)  # coordinates several ranks sent are summed
     if dense_spans:
         flat = torch.cat([t for _, t in dense_spans])
-        _record(state, DGC_DENSE, flat, "all_reduce", world)
+        _record(state, DGC_DENSE, flat, "all_reduce")
         dist.all_reduce(flat, group=state.process_group)
         pos = 0
         for start, tensor in dense_spans:

@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import os
 from datetime import timedelta
+from typing import Any
 
 import torch.distributed as dist
+
+from parallelkit.distributed.listeners import bind_listeners, bind_strategy_listeners
 
 
 def restart_count() -> int | None:
@@ -22,22 +25,26 @@ def restart_count() -> int | None:
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
-def init_process_group_for_attempt(backend: str, timeout: timedelta) -> bool:
+def init_process_group_for_attempt(backend: str, timeout: timedelta, strategy: Any = None) -> bool:
     """Under torchrun, initialise the default group on ``attempt_<n>/`` keys of the job's store.
 
-    Returns False (and does nothing) outside torchrun or if a group exists; Lightning then initialises it.
+    Returns False outside torchrun or if a group exists; Lightning then initialises it. Either way the
+    group's listeners bind to the address the ranks use (:mod:`parallelkit.distributed.listeners`; outside
+    torchrun from ``strategy``'s cluster environment).
     """
     attempt = restart_count()
-    if attempt is None or dist.is_initialized():
+    if dist.is_initialized():
+        return False
+    if attempt is None:
+        if strategy is not None:
+            bind_strategy_listeners(strategy)
         return False
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    store = dist.TCPStore(
-        os.environ["MASTER_ADDR"],
-        int(os.environ["MASTER_PORT"]),
-        world,
-        # With the agent's store (torchrun's default) the agent hosts it; otherwise rank 0 does.
-        is_master=rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True",
-        timeout=timeout,
-    )
+    addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    # With the agent's store (torchrun's default) the agent hosts it; otherwise rank 0 does.
+    hosts = rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+    bind_listeners(addr, port, rank if hosts else -1, os.environ.get("LOCAL_WORLD_SIZE") == os.environ["WORLD_SIZE"])
+    # multi_tenant: rank 0's server, if bind_listeners started it on the ranks' address, is shared, not bound again.
+    store = dist.TCPStore(addr, port, world, is_master=hosts, timeout=timeout, multi_tenant=True)
     dist.init_process_group(backend, store=dist.PrefixStore(f"attempt_{attempt}", store), rank=rank, world_size=world, timeout=timeout)
     return True

@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from parallelkit.distributed.collectives import all_gather_single
 from parallelkit.distributed.comm_stats import CommStats
 from parallelkit.errors import ConfigError
 
@@ -108,8 +109,8 @@ class CollectiveRouting:
             return stats.unsqueeze(0), 0
         out = stats.new_empty(self.size * stats.numel())  # gloo wants a flat output
         if self.comm_stats is not None:
-            self.comm_stats.record(MOE_ROUTING, (self.size - 1) * stats.numel() * stats.element_size())
-        dist.all_gather_into_tensor(out, stats.reshape(-1).contiguous(), group=self.group)
+            self.comm_stats.record(MOE_ROUTING, stats, "all_gather", self.group)
+        all_gather_single(out, stats.reshape(-1).contiguous(), group=self.group)
         return out.view(self.size, *stats.shape), self.rank
 
 
@@ -129,9 +130,9 @@ class _AllToAll(torch.autograd.Function):
 
 def _exchange(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: Any, stats: CommStats | None, me: int) -> torch.Tensor:
     out = x.new_empty((sum(out_splits), *x.shape[1:]))
-    if stats is not None:
+    if stats is not None:  # every rank but this one gets its rows (gloo: even an empty split is a message)
         row = math.prod(x.shape[1:]) * x.element_size()
-        stats.record(MOE_ALL_TO_ALL, (sum(in_splits) - in_splits[me]) * row)  # bytes that leave this rank
+        stats.record(MOE_ALL_TO_ALL, x, "all_to_all", group, peer_bytes=[n * row for n in in_splits])
     dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
     return out
 
@@ -153,7 +154,7 @@ class _TokenDispatch:
         send_counts = counts.view(ep, per_rank).contiguous()
         recv_counts = torch.empty_like(send_counts)
         if self.comm_stats is not None:
-            self.comm_stats.record(MOE_ROUTING, (ep - 1) * per_rank * send_counts.element_size())
+            self.comm_stats.record(MOE_ROUTING, send_counts, "all_to_all", self.group)
         dist.all_to_all_single(recv_counts, send_counts, group=self.group)  # recv[src, local expert]
         in_splits = send_counts.sum(dim=1).tolist()
         out_splits = recv_counts.sum(dim=1).tolist()

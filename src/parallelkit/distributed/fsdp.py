@@ -19,7 +19,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, 
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 
 from parallelkit.distributed.blocks import repeated_blocks
-from parallelkit.distributed.collectives import reduce_scatter
+from parallelkit.distributed.collectives import all_gather_single, reduce_scatter
 from parallelkit.distributed.comm_stats import CommStats
 
 
@@ -32,8 +32,8 @@ class _CountedAllGather(AllGather):
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, async_op: bool = False) -> Any:
         if self.stats is not None:
-            self.stats.record("param_all_gather", input_tensor, "all_gather", dist.get_world_size(group))
-        return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
+            self.stats.record("param_all_gather", input_tensor, "all_gather", group)
+        return all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
 
 
 class _CountedReduceScatter(ReduceScatter):
@@ -85,6 +85,7 @@ def apply_fsdp(
     if not isinstance(model, FSDPModule):
         fully_shard(model, **kwargs)
     replicas = mesh.size(0) if mesh.ndim == 2 else 1
+    replicate_group = mesh.get_group(0) if replicas > 1 else None
     for module in model.modules():
         if not isinstance(module, FSDPModule):
             continue
@@ -93,7 +94,7 @@ def apply_fsdp(
         module.set_custom_reduce_scatter(_CountedReduceScatter(comm_stats))
         if replicas > 1 and comm_stats is not None:
             # HSDP all-reduces the reduced shard across replicas itself; the hook sees that tensor.
-            module.set_all_reduce_hook(lambda grad, n=replicas: comm_stats.record("grad_all_reduce", grad, "all_reduce", n))
+            module.set_all_reduce_hook(lambda grad: comm_stats.record("grad_all_reduce", grad, "all_reduce", replicate_group))
     return model
 
 

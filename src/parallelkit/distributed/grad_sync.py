@@ -60,7 +60,7 @@ class GradAllReduce:
                 grads.append(local_tensor(param.grad))
             flat = torch.cat([g.reshape(-1) for g in grads]) if len(grads) > 1 else grads[0].reshape(-1).clone()
             if self.comm_stats is not None:
-                self.comm_stats.record(self.kind, flat, "all_reduce", self._size)
+                self.comm_stats.record(self.kind, flat, "all_reduce", self.group)
             dist.all_reduce(flat, group=self.group)
             flat.div_(self._size)
             offset = 0

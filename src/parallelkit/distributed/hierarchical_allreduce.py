@@ -6,10 +6,12 @@ network, so the inter-node traffic is one bucket per node instead of one per ran
 PaddlePaddle's ``use_hierarchical_allreduce``). Groups are ``local_size`` consecutive ranks of the
 data-parallel group (the order launchers number ranks in a node); on one machine they simulate nodes.
 
-Counting (``CommStats``): ``hierarchical_intra`` is what a rank sends inside its group (a non-leader sends
-its bucket to the leader in the reduce; the leader sends the result once in the broadcast),
-``hierarchical_inter`` what a leader sends in the ring all-reduce among leaders (non-leaders send nothing
-across groups).
+Counting (``CommStats``): ``hierarchical_intra`` is what a rank sends inside its group, at the algorithms
+the backend runs (:func:`~parallelkit.distributed.comm_stats.wire_bytes`). On gloo the reduce is itself a
+ring reduce-scatter plus a gather to the leader, so the leader sends (k−1)/k of the bucket too and a
+non-leader the whole bucket; the broadcast is a binomial tree, so the leader sends ⌈log₂ k⌉ copies and inner
+ranks relay (k = ``local_size``). ``hierarchical_inter`` is what a leader sends in the all-reduce among
+leaders (non-leaders send nothing across groups).
 """
 
 # No `from __future__ import annotations`: DDP checks the hook's annotations at run time.
@@ -66,22 +68,21 @@ def build_hierarchical_state(local_size: int, group: Any = None, stats: Optional
 def hierarchical_allreduce_hook(state: HierarchicalState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Average the bucket over all ranks in three stages (see the module docstring)."""
     buffer = bucket.buffer()
-    nbytes = buffer.numel() * buffer.element_size()
     is_leader = state.leader_group is not None
     local_size = state.world_size // state.num_groups
     if local_size > 1:
-        if state.stats is not None and not is_leader:
-            state.stats.record(INTRA, nbytes)
+        if state.stats is not None:
+            state.stats.record(INTRA, buffer, "reduce", state.local_group, root=state.leader)
         dist.reduce(buffer, dst=state.leader, group=state.local_group)
     if is_leader and state.num_groups > 1:
         if state.stats is not None:
-            state.stats.record(INTER, buffer, "all_reduce", state.num_groups)
+            state.stats.record(INTER, buffer, "all_reduce", state.leader_group)
         dist.all_reduce(buffer, group=state.leader_group)
     if is_leader:
         buffer.div_(state.world_size)
     if local_size > 1:
-        if state.stats is not None and is_leader:
-            state.stats.record(INTRA, nbytes)
+        if state.stats is not None:
+            state.stats.record(INTRA, buffer, "broadcast", state.local_group, root=state.leader)
         dist.broadcast(buffer, src=state.leader, group=state.local_group)
     future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     future.set_result(buffer)

@@ -60,7 +60,7 @@ def local_sgd_hook(state: LocalSGDState, bucket: dist.GradBucket) -> torch.futur
     world = dist.get_world_size(state.process_group)
     buffer.div_(world)
     if state.stats is not None:
-        state.stats.record(GRAD_ALLREDUCE, buffer, "all_reduce", world)
+        state.stats.record(GRAD_ALLREDUCE, buffer, "all_reduce", state.process_group)
     work = dist.all_reduce(buffer, group=state.process_group, async_op=True)
     return work.get_future().then(lambda fut: fut.value()[0])
 
@@ -181,7 +181,7 @@ def average_parameters(
             parts.append(extra.to(dtype).reshape(-1))
         flat = torch.cat(parts)
         if stats is not None:
-            stats.record(PARAM_AVERAGE, flat, "all_reduce", world)
+            stats.record(PARAM_AVERAGE, flat, "all_reduce", group)
         dist.all_reduce(flat, group=group)
         flat.div_(world)
         offset = 0

@@ -78,7 +78,7 @@ class DynamicLossScaler:
             found = torch.stack([(~torch.isfinite(g)).any().float() for g in grads]).max().reshape(1).cpu()
         if dist.is_available() and dist.is_initialized() and dist.get_world_size(self.group) > 1:
             if self.comm_stats is not None:
-                self.comm_stats.record("amp_found_inf", found, "all_reduce", dist.get_world_size(self.group))
+                self.comm_stats.record("amp_found_inf", found, "all_reduce", self.group)
             dist.all_reduce(found, op=dist.ReduceOp.MAX, group=self.group)
         self.last_found_inf = bool(found.item() > 0)
         return not self.last_found_inf

@@ -129,8 +129,12 @@ def stage_ids_for_rank(pp_rank: int, pp: int, virtual_stages: int, schedule: str
 
 # ---------------------------------------------------------------------------------------- measurement
 def _memory_of(tensor: torch.Tensor) -> torch.Tensor:
-    """The tensor that owns the memory: a DTensor's (tensor parallel inside a stage) is its local shard."""
-    return getattr(tensor, "_local_tensor", tensor)
+    """The tensor that owns the memory: a DTensor's (tensor parallel inside a stage) is its local shard, and a
+    functional collective's result not yet waited on (``AsyncCollectiveTensor``, storage-less) wraps it."""
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+    memory = getattr(tensor, "_local_tensor", tensor)
+    return memory.elem if isinstance(memory, AsyncCollectiveTensor) else memory
 
 
 class SavedActivationMeter:
@@ -299,13 +303,14 @@ _OP_LABELS: dict[int, str] = {}
 
 
 def _labelled_ops(get_ops: Callable[[int], list], label: str, comm_stats: CommStats | None, stats: PipelineStats) -> Callable:
-    sending = "send" in label
+    # A receive writes too: on gloo the receiver announces it is ready (a 48-byte message).
+    op_name = "send" if "send" in label else "recv"
 
     def wrapper(mb: int) -> list:
         ops = get_ops(mb)
         for op in ops:
-            if sending and comm_stats is not None:
-                comm_stats.record(PP_P2P, op.tensor, "send")
+            if comm_stats is not None:
+                comm_stats.record(PP_P2P, op.tensor, op_name, op.group)
             if stats.trace:
                 _OP_LABELS[id(op)] = f"{label.replace('_ops', '')} mb{mb}"
         return ops

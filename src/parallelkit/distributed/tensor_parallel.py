@@ -15,10 +15,11 @@ gradient clipping refuse a mix of DTensors and plain tensors), and returns a :cl
   replicated parameters used on sequence shards (LayerNorm under sequence parallel) get partial-sum
   gradients, which are all-reduced here in one fused buffer, counted.
 
-Bytes are what each collective sends from this rank (CommStats' convention, ring algorithms): an
-all-reduce of ``N`` bytes over ``t`` ranks sends ``2N(t−1)/t``, an all-gather or reduce-scatter of a full
-tensor of ``N`` bytes sends ``N(t−1)/t``. That is the quantity Megatron's formula counts, for all-reduce
-and for all-gather/reduce-scatter (sequence parallel) alike.
+Bytes are what each collective writes from this rank at the algorithm the backend runs
+(:func:`~parallelkit.distributed.comm_stats.wire_bytes`). On NCCL these are Megatron's figures: an all-reduce
+of ``N`` bytes over ``t`` ranks sends ``2N(t−1)/t``, an all-gather or reduce-scatter ``N(t−1)/t``, so
+sequence parallel costs what plain tensor parallel costs. On gloo DTensor's reduce-scatter is an
+all-reduce plus a slice (``2N(t−1)/t``): sequence parallel sends 1.5× plain tensor parallel's bytes there.
 """
 
 from __future__ import annotations
@@ -59,35 +60,37 @@ class TensorParallelPlan:
 
 
 # ------------------------------------------------------------------------------------- counting
-def _group_size(group_name: Any) -> int:
+def _group(group_name: Any) -> Any:
     from torch.distributed.distributed_c10d import _resolve_process_group
 
-    return dist.get_world_size(_resolve_process_group(group_name))
+    return _resolve_process_group(group_name)
 
 
 def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
-def _describe(op: str, args: tuple) -> tuple[str, int, int]:
-    """``(collective, payload bytes, group size)`` of a functional collective, as CommStats counts them."""
-    tensors = args[0] if isinstance(args[0], (list, tuple)) else [args[0]]
-    payload = sum(_nbytes(t) for t in tensors)
+def _describe(op: str, args: tuple) -> tuple[str, list[torch.Tensor], Any, list[int] | None]:
+    """``(collective, tensors handed to it, process group, bytes to each peer)`` of a functional collective."""
+    tensors = list(args[0]) if isinstance(args[0], (list, tuple)) else [args[0]]
     if op.startswith("all_reduce"):  # (input(s), reduce_op, group_name)
-        return "all_reduce", payload, _group_size(args[2])
+        return "all_reduce", tensors, _group(args[2]), None
     if op.startswith("all_gather_into_tensor"):  # (this rank's shard(s), group_size, group_name)
-        return "all_gather", payload, int(args[1])
+        return "all_gather", tensors, _group(args[2]), None
     if op.startswith("reduce_scatter_tensor"):  # (full input(s), reduce_op, group_size, group_name)
-        return "reduce_scatter", payload, int(args[2])
+        return "reduce_scatter", tensors, _group(args[3]), None
     if op == "all_to_all_single":  # (input, output_splits, input_splits, group_name)
-        return "all_to_all", payload, _group_size(args[3])
+        group, (x,) = _group(args[3]), tensors
+        splits = args[2] if args[2] is not None else [x.shape[0] // dist.get_world_size(group)] * dist.get_world_size(group)
+        row = _nbytes(x) // max(x.shape[0], 1)
+        return "all_to_all", tensors, group, [int(n) * row for n in splits]
     raise NotImplementedError(f"tensor parallel traffic counting does not know the collective {op!r}")
 
 
 class _CollectiveCounter(TorchDispatchMode):
-    """Sees the collectives DTensor lowers to and reports each as ``(collective, payload bytes, group size)``."""
+    """Sees the collectives DTensor lowers to and reports each as ``(collective, tensors, group, bytes per peer)``."""
 
-    def __init__(self, record: Callable[[str, int, int], None]) -> None:
+    def __init__(self, record: Callable[[str, list[torch.Tensor], Any, list[int] | None], None]) -> None:
         super().__init__()
         self.record = record
 
@@ -167,9 +170,15 @@ class TensorParallel:
         self.scopes = _ScopeTracker()
         self._active = False
 
-    def _record(self, op: str, payload: int, group_size: int) -> None:
-        if self.comm_stats is not None:
-            self.comm_stats.record(f"{self.scopes.current() or TP_KIND}.{op}", payload, op, group_size)
+    def _record(self, op: str, tensors: list[torch.Tensor], group: Any, peer_bytes: list[int] | None) -> None:
+        if self.comm_stats is None:
+            return
+        kind = f"{self.scopes.current() or TP_KIND}.{op}"
+        if op == "reduce_scatter" or len(tensors) == 1:  # gloo reduce-scatters a coalesced list tensor by tensor
+            for tensor in tensors:
+                self.comm_stats.record(kind, tensor, op, group, peer_bytes=peer_bytes)
+        else:  # and all-reduces / all-gathers it flattened, as one
+            self.comm_stats.record(kind, sum(_nbytes(t) for t in tensors), op, group, element_size=tensors[0].element_size())
 
     @contextlib.contextmanager
     def context(self, count: bool = True) -> Iterator[None]:
@@ -226,7 +235,7 @@ class TensorParallel:
         flat = torch.cat([g.reshape(-1) for g in locals_])
         group = self.mesh.get_group()
         if self.comm_stats is not None:
-            self.comm_stats.record(TP_GRAD_KIND, flat, "all_reduce", dist.get_world_size(group))
+            self.comm_stats.record(TP_GRAD_KIND, flat, "all_reduce", group)
         dist.all_reduce(flat, group=group)
         offset = 0
         for param, local in zip(partial, locals_):

@@ -11,6 +11,9 @@ from typing import Any, Callable
 import lightning.pytorch as pl
 import torch
 
+#: the checkpoint entry that says how to export the model (``parallelkit.export``).
+EXPORT_KEY = "parallelkit_export"
+
 
 class TrainModule(pl.LightningModule):
     """Wraps a model, its optimizer factory and an optional learning-rate schedule.
@@ -73,6 +76,17 @@ class TrainModule(pl.LightningModule):
             torch.default_generator.manual_seed(seed)
             if torch.cuda.is_available() and torch.cuda.is_initialized():
                 torch.cuda.manual_seed(seed)  # this rank's device
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Record what ``python -m parallelkit.export`` needs to write the model in its own library's format,
+        for a model that says (``export_metadata()``: e.g. a Hugging Face model's config), and the tokenizer the
+        data module used (its ``tokenizer_path``), beside the weights in every checkpoint format."""
+        describe = getattr(self.model, "export_metadata", None)
+        if callable(describe):
+            meta = describe()
+            datamodule = getattr(self._trainer, "datamodule", None)
+            checkpoint[EXPORT_KEY] = {**meta, "state_dict_prefix": "model." + meta.get("state_dict_prefix", ""),
+                                      "tokenizer": getattr(datamodule, "tokenizer_path", None)}
 
     def configure_optimizers(self) -> Any:
         optimizer = self.optimizer_factory(self.parameters())

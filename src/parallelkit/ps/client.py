@@ -5,10 +5,13 @@ so the modulus spreads them evenly). A batch's ids are deduplicated before anyth
 moves ``U`` ids and rows (``U`` = unique ids in the batch), whatever the table size:
 
     pull: U ids (int64) out, U rows (fp32) back;  push: U ids + U gradient rows out
-    → U · (8 + 4·D) · 2 bytes per step per worker,
+    → U · (8 + 4·D) · 2 bytes per step per worker, both directions.
 
-counted under the kind ``ps`` in :class:`~parallelkit.distributed.comm_stats.CommStats` (the tensor
-payloads; RPC framing is not counted). Pulls outside training (validation) count as ``ps_eval``.
+What the worker *sends* (ids out, ids and gradient rows out: U · (16 + 4·D)) is counted under the kind ``ps``
+in :class:`~parallelkit.distributed.comm_stats.CommStats`; the rows it receives are the servers' sends, kept
+apart in ``bytes_received``. Tensor payloads only: TensorPipe's framing (the pickled call and its descriptor,
+about 0.5 KiB per request, measured over TCP) is not counted. Pulls outside training (validation) count as
+``ps_eval``.
 """
 
 from __future__ import annotations
@@ -64,6 +67,7 @@ class PSClient:
         self.first_step = 0  # steps_done when this process started (a resumed run starts at the checkpoint's step)
         self.touched: dict[str, set[int]] = {}  # every id this worker used in training (memory accounting)
         self.unique_ids_pulled = 0  # Σ over training forwards of U (the bytes formula)
+        self.bytes_received = 0  # rows the servers sent back to this worker's training pulls
         # Rows moved by training pulls / pushes and the wall time the worker spent in them (the requests to all
         # servers in flight at once, so this is the latency of the slowest; a sync pull also waits there until
         # the other workers' pushes completed the step).
@@ -101,7 +105,9 @@ class PSClient:
         for pos, future in requests:
             rows = future.wait()
             out[pos] = rows
-            self.comm_stats.record(kind, _nbytes(ids[pos]) + _nbytes(rows))  # ids out + rows back
+            self.comm_stats.record(kind, _nbytes(ids[pos]))  # ids out (the rows back are the server's sends)
+            if kind == PS:
+                self.bytes_received += _nbytes(rows)
         if kind == PS:
             self.rows_pulled += len(ids)
             self.pull_s += time.perf_counter() - start

@@ -57,7 +57,8 @@ class PSDims(ParallelDims):
         raise NotImplementedError("strategy=ps has no device mesh: workers use a process group of their own")
 
 
-def init_rpc(rank: int, world_size: int, init_method: str | None = None, num_threads: int = 16, timeout_s: float = 120.0, interface: str | None = None, local: bool | None = None) -> None:
+def init_rpc(rank: int, world_size: int, init_method: str | None = None, num_threads: int = 16, timeout_s: float = 120.0, interface: str | None = None,
+             local: bool | None = None, transports: list[str] | None = None, channels: list[str] | None = None) -> None:
     """Start this rank's TensorPipe RPC agent (servers and workers alike).
 
     Args:
@@ -70,6 +71,10 @@ def init_rpc(rank: int, world_size: int, init_method: str | None = None, num_thr
             hosts it).
         interface: the network interface TensorPipe listens on; default: loopback when every rank is on
             this host (``local``; unset: guessed from ``init_method``), else TensorPipe's choice.
+        transports / channels: TensorPipe's transports and tensor channels, in order of preference; ``None``:
+            TensorPipe's choice, which between processes of one host is shared memory (``shm`` transport, ``cma``
+            channel: no bytes pass through a socket). ``["uv"]`` / ``["basic"]`` send everything over TCP, as
+            between hosts, so the kernel sees each byte.
     """
     import torch.distributed as dist
     import torch.distributed.rpc as rpc
@@ -83,7 +88,9 @@ def init_rpc(rank: int, world_size: int, init_method: str | None = None, num_thr
         local = init_method.startswith("file://") or "127.0.0.1" in init_method or "localhost" in init_method
     if interface or (local and "TP_SOCKET_IFNAME" not in os.environ and os.path.exists("/sys/class/net/lo")):
         os.environ["TP_SOCKET_IFNAME"] = interface or "lo"
-    options = rpc.TensorPipeRpcBackendOptions(init_method=init_method, num_worker_threads=num_threads, rpc_timeout=timeout_s)
+    options = rpc.TensorPipeRpcBackendOptions(init_method=init_method, num_worker_threads=num_threads, rpc_timeout=timeout_s,
+                                              _transports=list(transports) if transports else None,
+                                              _channels=list(channels) if channels else None)
     rpc.init_rpc(rpc_name(rank), rank=rank, world_size=world_size, rpc_backend_options=options)
 
 

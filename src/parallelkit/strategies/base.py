@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from parallelkit.distributed.comm_stats import CommStats
+from parallelkit.distributed.comm_stats import REPORT, TRAIN, VALIDATION, CommStats
 from parallelkit.distributed.parallel_dims import ParallelDims
 from parallelkit.errors import ConfigError
 from parallelkit.strategies.protocol import StrategyProtocol
@@ -25,6 +25,8 @@ DDP_COMM_HOOK = "ddp_comm_hook"
 REPLICATED_PARAMS = "replicated_params"
 #: Lightning runs ``training_step`` and ``backward`` itself (a pipeline schedule does not).
 LIGHTNING_BACKWARD = "lightning_backward"
+#: the model's embedding tables are held and updated by server ranks, not by the module's optimizer.
+SERVER_TABLES = "server_tables"
 
 
 class ParallelKitStrategyMixin(StrategyProtocol):
@@ -39,7 +41,12 @@ class ParallelKitStrategyMixin(StrategyProtocol):
     capabilities: frozenset[str] = frozenset({LIGHTNING_BACKWARD})
 
     def _init_parallelkit(self) -> None:
+        if self._checkpoint_io is None:  # a checkpoint file is renamed into place whole (a full disk leaves the old one)
+            from parallelkit.run_dir import AtomicCheckpointIO
+
+            self._checkpoint_io = AtomicCheckpointIO()
         self.comm_stats = CommStats()
+        self._first_step = 0
         self._parallel_dims: ParallelDims | None = None
         self.device_mesh = None
 
@@ -79,12 +86,76 @@ class ParallelKitStrategyMixin(StrategyProtocol):
         return self._counted_reduce(tensor, "mean")
 
     def global_max(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Max over all ranks (counted as ``metrics`` traffic: periodic checkpoints agree through it while training)."""
         return self._counted_reduce(tensor, "max")
 
     def _counted_reduce(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
-        if self.world_size > 1:
-            self.comm_stats.record(METRICS, tensor, "all_reduce", self.world_size)
         return self.reduce(tensor.clone(), reduce_op=op)
+
+    def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
+        """Lightning's reduce (``self.log(..., sync_dist=True)``, the metrics above), counted: a barrier, then an all-reduce."""
+        if isinstance(tensor, torch.Tensor) and self.world_size > 1:
+            group = group if group is not None else self.report_group
+            self.comm_stats.record(METRICS, 0, "barrier", group)
+            self.comm_stats.record(METRICS, tensor, "all_reduce", group)
+        return super().reduce(tensor, group, reduce_op)
+
+    @property
+    def report_group(self) -> Any:
+        """The ranks that train and report together (``None``: all of them; the parameter server: its workers)."""
+        return None
+
+    # ---------------------------------------------------------------- validation is not training traffic
+    def on_train_start(self) -> None:
+        self._first_step = self.lightning_module.trainer.global_step  # a resumed run starts at its checkpoint's step
+        super().on_train_start()
+
+    def on_validation_start(self) -> None:
+        self.comm_stats.phase = VALIDATION  # Lightning calls this around every validation (and sanity) pass
+        super().on_validation_start()
+
+    def on_validation_end(self) -> None:
+        super().on_validation_end()
+        self.comm_stats.phase = TRAIN
+
+    def summary_metrics(self, trainer: Any) -> dict[str, Any]:
+        """``comm_by_rank`` and ``comm_validation`` (see :meth:`comm_report`); subclasses add their own entries."""
+        return self.comm_report(trainer)
+
+    def comm_report(self, trainer: Any) -> dict[str, Any]:
+        """Per rank: the training traffic counted and the bytes its process handed to the kernel; validation apart.
+
+        ``comm.bytes_sent_per_step`` in ``summary.json`` is rank 0's count; ranks differ (pipeline stages, group
+        leaders), and ``os_bytes_written`` (a max over ranks) cannot say whose. This gathers both per rank, so a
+        run can be checked against what each process really wrote (tests/integration/test_wire_traffic.py).
+        """
+        import torch.distributed as dist
+
+        from parallelkit.callbacks.run_summary import os_bytes_written
+
+        stats = self.comm_stats
+        steps = max(getattr(trainer, "global_step", 0) - self._first_step, 1)  # this process's steps, as RunSummary divides
+        local = torch.tensor([stats.bytes(), stats.calls(), stats.bytes(phase=VALIDATION), stats.calls(phase=VALIDATION),
+                              float(os_bytes_written())], dtype=torch.float64)
+        group = self.report_group
+        rows = [local]
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+            rows = [torch.zeros_like(local) for _ in range(dist.get_world_size(group))]
+            with stats.counting_as(REPORT):
+                stats.record(METRICS, local, "all_gather", group)
+                dist.all_gather(rows, local, group=group)
+        validation = stats.totals(VALIDATION)
+        return {
+            "comm_by_rank": {
+                "steps": steps,
+                "bytes_sent_per_step": [float(r[0]) / steps for r in rows],
+                "collectives_per_step": [float(r[1]) / steps for r in rows],
+                "validation_bytes_sent": [int(r[2]) for r in rows],
+                "os_bytes_written": [int(r[4]) for r in rows],  # whole process life so far (RunSummary's os_bytes_written is their max)
+            },
+            # Validation passes of this run, rank 0 (not in comm.bytes_sent_per_step: that is a training step's).
+            "comm_validation": {"bytes_sent": validation["bytes"], "collectives": validation["collectives"], "by_kind": validation["by_kind"]},
+        }
 
     def model_state_bytes(self) -> dict[str, int]:
         """Bytes of parameters, gradients and optimizer state that this rank holds right now."""

@@ -138,7 +138,7 @@ class DDPStrategy(ParallelKitStrategyMixin, LightningDDPStrategy):
         self._launcher = HydraJobLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 
     def setup_distributed(self) -> None:
-        init_process_group_for_attempt(self._get_process_group_backend(), self._timeout)  # torchrun restarts
+        init_process_group_for_attempt(self._get_process_group_backend(), self._timeout, self)  # torchrun restarts; listeners on MASTER_ADDR
         super().setup_distributed()
         self._parallel_dims = self.plan(self.world_size)
         self.device_mesh = self._parallel_dims.build_mesh(self.root_device.type)
@@ -156,3 +156,18 @@ class DDPStrategy(ParallelKitStrategyMixin, LightningDDPStrategy):
 
     def _register_ddp_hooks(self) -> None:
         """The hook is registered by :func:`apply_ddp`, on every device type."""
+
+    def model_state_bytes(self) -> dict[str, int]:
+        """Also DDP's gradient buckets: unless ``gradient_as_bucket_view``, its reducer keeps every gradient a
+        second time in flat buckets (allocated when the model is wrapped) besides ``p.grad``."""
+        state = super().model_state_bytes()
+        state["grads"] += ddp_bucket_bytes(self.model)
+        return state
+
+
+def ddp_bucket_bytes(model: Any) -> int:
+    """Bytes of the gradient buckets a :class:`DistributedDataParallel` module holds apart from ``p.grad`` (0 with
+    ``gradient_as_bucket_view``, where the gradients are views into them): one slot for every trainable parameter."""
+    if not isinstance(model, DistributedDataParallel) or model.gradient_as_bucket_view:
+        return 0
+    return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)

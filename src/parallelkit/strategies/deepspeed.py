@@ -111,7 +111,7 @@ class DeepSpeedStrategy(ParallelKitStrategyMixin, LightningDDPStrategy):
         self._launcher = HydraJobLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 
     def setup_distributed(self) -> None:
-        init_process_group_for_attempt(self._get_process_group_backend(), self._timeout)  # torchrun restarts
+        init_process_group_for_attempt(self._get_process_group_backend(), self._timeout, self)  # torchrun restarts; listeners on MASTER_ADDR
         super().setup_distributed()
         self._parallel_dims = self.plan(self.world_size)
         self.device_mesh = self._parallel_dims.build_mesh(self.root_device.type)
@@ -184,6 +184,7 @@ class DeepSpeedStrategy(ParallelKitStrategyMixin, LightningDDPStrategy):
     def summary_metrics(self, trainer: Any) -> dict[str, Any]:
         lrs = [group["lr"] for group in self.engine.optimizer.param_groups] if self.engine is not None else []
         return {
+            **super().summary_metrics(trainer),
             "deepspeed": {
                 "stage": self.stage,
                 "offload": self.offload,

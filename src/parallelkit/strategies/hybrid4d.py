@@ -40,7 +40,7 @@ from parallelkit.strategies.base import LIGHTNING_BACKWARD
 from parallelkit.strategies.mesh import DEFAULT_TIMEOUT_S, MeshStrategy
 from parallelkit.strategies.moe import EXPERT_GRAD_ALLREDUCE
 from parallelkit.strategies.pp import PipelineStrategy
-from parallelkit.strategies.tp import TensorParallelSteps
+from parallelkit.strategies.tp import TensorParallelSteps, say_if_experts_replicated
 
 STRATEGY_NAME = "hybrid4d"
 
@@ -69,9 +69,13 @@ def check_hybrid_degrees(dp: Any, sharding: Any, tp: Any, pp: Any, ep: Any, sequ
 
 
 def expert_plan_if_moe(model: torch.nn.Module, source: Any = None) -> ExpertParallelPlan | None:
-    """The model's expert-parallel plan if it is a Mixture-of-Experts model (it has one, with MoE layers), else None."""
+    """The model's expert-parallel plan if it has one with MoE layers, else None (a plan that refuses, with its
+    reason, matters only when ``ep > 1``: :meth:`HybridParts.check_model` asks for it then)."""
     make = model_plans(model, source).find("expert_parallel_plan")
-    plan = make(model) if make is not None else None
+    try:
+        plan = make(model) if make is not None else None
+    except ConfigError:
+        return None
     return plan if plan is not None and plan.sites else None
 
 
@@ -175,6 +179,8 @@ class HybridParts:
         plans = model_plans(model, self.plan_source)
         if dims.tp > 1:
             plans.tensor_parallel_plan(dims.tp, sequence_parallel=self.sequence_parallel, who=f"strategy=hybrid4d with strategy.tp={dims.tp}")
+            if dims.ep == 1:
+                say_if_experts_replicated(model, self.plan_source, f"strategy=hybrid4d with strategy.tp={dims.tp} and strategy.ep=1")
         if dims.ep > 1:
             check_expert_parallel(plans.expert_parallel_plan(who=f"strategy=hybrid4d with strategy.ep={dims.ep}"), dims.ep)
 

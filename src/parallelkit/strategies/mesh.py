@@ -99,7 +99,7 @@ class MeshStrategy(ParallelKitStrategyMixin, ModelParallelStrategy):
     def setup_environment(self) -> None:
         # Lightning's version builds a 2-D (data, tensor) mesh; parallelkit's mesh has every axis.
         super(ModelParallelStrategy, self).setup_environment()
-        init_process_group_for_attempt(self._get_process_group_backend(), self._timeout)  # torchrun restarts
+        init_process_group_for_attempt(self._get_process_group_backend(), self._timeout, self)  # torchrun restarts; listeners on MASTER_ADDR
         self._setup_distributed()
         self._parallel_dims = self.plan(self.world_size)
         self._device_mesh = self._parallel_dims.build_mesh(self.root_device.type)
@@ -194,7 +194,14 @@ class MeshStrategy(ParallelKitStrategyMixin, ModelParallelStrategy):
         if self.is_global_zero and tmp.exists():
             shutil.rmtree(tmp)  # a previous writer died here
         self.barrier()
-        super().save_checkpoint(checkpoint, tmp, storage_options)  # shards, then meta.pt from rank 0
+        try:
+            super().save_checkpoint(checkpoint, tmp, storage_options)  # shards, then meta.pt from rank 0
+        except BaseException:
+            # A failed write (a full disk: torch.distributed.checkpoint raises on every rank once all have
+            # written) leaves the previous checkpoint; the partial one goes, freeing what it took.
+            if self.is_global_zero:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise
         self.barrier()
         if self.is_global_zero:
             old = final.with_name(final.name + ".old")

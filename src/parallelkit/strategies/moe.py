@@ -109,4 +109,5 @@ class ExpertParallelStrategy(MeshStrategy):
 
     def summary_metrics(self, trainer: Any) -> dict[str, Any]:
         handle = self.ep_handle
-        return {"expert_parallel": {"ep": self.parallel_dims.ep, "local_experts": handle.local_experts if handle else None}}
+        return {**super().summary_metrics(trainer),
+                "expert_parallel": {"ep": self.parallel_dims.ep, "local_experts": handle.local_experts if handle else None}}

@@ -27,6 +27,7 @@ from lightning.pytorch.plugins.precision import Precision
 from torch.distributed.tensor import DTensor
 from lightning.pytorch.utilities import rank_zero_info
 
+from parallelkit.distributed.comm_stats import REPORT
 from parallelkit.distributed.grad_sync import apply_grad_allreduce
 from parallelkit.distributed.parallel_dims import DEFAULT_MESH_ORDER, DP, PP
 from parallelkit.distributed.pipeline_parallel import (
@@ -227,8 +228,9 @@ class PipelineStrategy(MeshStrategy):
         grads = [p.grad for p in self._params if p.grad is not None]
         sq = squared_norm(grads, self.root_device)
         if self.pp > 1:
-            self.comm_stats.record(PP_GRAD_NORM, sq, "all_reduce", self.pp)
-            dist.all_reduce(sq, group=self.device_mesh.get_group(PP))
+            group = self.device_mesh.get_group(PP)
+            self.comm_stats.record(PP_GRAD_NORM, sq, "all_reduce", group)
+            dist.all_reduce(sq, group=group)
         coef = torch.clamp(float(max_norm) / (sq.sqrt() + 1e-6), max=1.0)
         for g in grads:
             g.mul_(coef.item() if isinstance(g, DTensor) else coef.to(g.dtype))
@@ -239,8 +241,9 @@ class PipelineStrategy(MeshStrategy):
         value = loss.detach().float().reshape(()) if loss is not None else torch.zeros((), device=self.root_device)
         if self.pp > 1:
             source = (self.pipeline.num_stages - 1) % self.pp  # the pipeline rank holding the last stage
-            self.comm_stats.record(PP_LOSS, value if self.pipeline.holds_last_stage else 0, "broadcast", self.pp)
-            dist.broadcast(value, group_src=source, group=self.device_mesh.get_group(PP))
+            group = self.device_mesh.get_group(PP)
+            self.comm_stats.record(PP_LOSS, value, "broadcast", group, root=dist.get_global_rank(group, source))
+            dist.broadcast(value, group_src=source, group=group)
         return value
 
     def validation_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
@@ -266,15 +269,21 @@ class PipelineStrategy(MeshStrategy):
 
     # ---------------------------------------------------------------- measurements
     def summary_metrics(self, trainer: Any) -> dict[str, Any]:
+        metrics = super().summary_metrics(trainer)
         if self.pipeline is None:
-            return {}
+            return metrics
+        with self.comm_stats.counting_as(REPORT):  # end-of-run gathers: not a training step's traffic
+            metrics.update(self._pipeline_metrics(trainer))
+        return metrics
+
+    def _pipeline_metrics(self, trainer: Any) -> dict[str, Any]:
         stats, world = self.pipeline.stats, self.world_size
         num_stages = self.pipeline.num_stages
         # The bubble is measured against the pipeline's step time: the longest first-to-last-compute
         # time of its ranks, per step (the first stage's: it starts first and finishes last).
         active = torch.tensor(stats.step_active, dtype=torch.float64)
         pp_active = [torch.zeros_like(active) for _ in range(self.pp)]
-        self.comm_stats.record("metrics", active, "all_gather", self.pp)
+        self.comm_stats.record("metrics", active, "all_gather", self.device_mesh.get_group(PP))
         dist.all_gather(pp_active, active, group=self.device_mesh.get_group(PP))
         bubble = stats.bubble_fraction(pipeline_spans([a.tolist() for a in pp_active]))
         local = torch.tensor([-1.0 if bubble is None else bubble, float(self.pipeline.meter.peak)], dtype=torch.float64)
@@ -282,9 +291,9 @@ class PipelineStrategy(MeshStrategy):
         for stage, peak in stats.peak_inflight.items():
             inflight[stage] = peak
         gathered = [torch.zeros_like(local) for _ in range(world)]
-        self.comm_stats.record("metrics", local, "all_gather", world)
+        self.comm_stats.record("metrics", local, "all_gather", None)
         dist.all_gather(gathered, local)
-        self.comm_stats.record("metrics", inflight, "all_reduce", world)
+        self.comm_stats.record("metrics", inflight, "all_reduce", None)
         dist.all_reduce(inflight, op=dist.ReduceOp.MAX)
         by_rank = [round(float(g[0]), 4) for g in gathered]
         if self.trace:

@@ -38,7 +38,7 @@ from parallelkit.ps import server as ps_server
 from parallelkit.ps.client import PSClient
 from parallelkit.ps.embedding import ShardedEmbedding, apply_parameter_server
 from parallelkit.ps.roles import PSDims, init_rpc, rpc_name
-from parallelkit.strategies.base import LIGHTNING_BACKWARD, METRICS, model_state_bytes
+from parallelkit.strategies.base import LIGHTNING_BACKWARD, METRICS, SERVER_TABLES, model_state_bytes
 from parallelkit.strategies.ddp import DDPStrategy
 
 GRAD_ALLREDUCE = "grad_allreduce"
@@ -75,6 +75,8 @@ class ParameterServerStrategy(DDPStrategy):
         timeout_s: collective, RPC and server idle timeout in seconds.
         rpc_threads: request threads per RPC agent.
         listen_interface: network interface of the RPC agents (default: loopback for a one-host job).
+        rpc_transports / rpc_channels: TensorPipe's transports and tensor channels (``None``: its choice; on one
+            host that is shared memory, which no socket sees); ``["uv"]`` / ``["basic"]``: TCP, as between hosts.
         plan: where the model's table plan is (``mypkg.parallelize``); ``None``: the model's own methods, then
             the ``parallelize`` module beside its class.
         process_group_backend: ``gloo``/``nccl`` for the workers' all-reduce; default from the device.
@@ -85,10 +87,11 @@ class ParameterServerStrategy(DDPStrategy):
     """
 
     strategy_name = "ps"
-    capabilities = frozenset({LIGHTNING_BACKWARD})
+    capabilities = frozenset({LIGHTNING_BACKWARD, SERVER_TABLES})
 
     def __init__(self, servers: int = 1, mode: str = "sync", geo_k_steps: int = 10, timeout_s: float = 180.0, rpc_threads: int = 16,
-                 listen_interface: str | None = None, plan: str | None = None, process_group_backend: str | None = None) -> None:
+                 listen_interface: str | None = None, plan: str | None = None, process_group_backend: str | None = None,
+                 rpc_transports: list[str] | None = None, rpc_channels: list[str] | None = None) -> None:
         if not isinstance(servers, int) or isinstance(servers, bool) or servers < 1:
             raise ConfigError(f"strategy.servers should be an int greater than 0. Got {servers!r}.")
         if mode not in ps_server.MODES:
@@ -101,6 +104,8 @@ class ParameterServerStrategy(DDPStrategy):
         self.geo_k_steps = geo_k_steps
         self.rpc_threads = rpc_threads
         self.listen_interface = listen_interface
+        self.rpc_transports = list(rpc_transports) if rpc_transports else None
+        self.rpc_channels = list(rpc_channels) if rpc_channels else None
         self.plan_source = plan
         self.client: PSClient | None = None
         self._sharded: dict[str, ShardedEmbedding] = {}
@@ -176,7 +181,7 @@ class ParameterServerStrategy(DDPStrategy):
 
     # ---------------------------------------------------------------- process groups and RPC
     def setup_distributed(self) -> None:
-        init_process_group_for_attempt(self._get_process_group_backend(), self._timeout)  # torchrun restarts
+        init_process_group_for_attempt(self._get_process_group_backend(), self._timeout, self)  # torchrun restarts; listeners on MASTER_ADDR
         LightningDDPStrategy.setup_distributed(self)
         self._parallel_dims = dims = self.plan(self.world_size)
         # Every rank takes part in creating every group, now, while all ranks are still in step.
@@ -185,7 +190,8 @@ class ParameterServerStrategy(DDPStrategy):
             ps_server.start_server(dims.workers, self.mode, wait_timeout_s=self.timeout_s)
         # The agents meet on the default group's store (per attempt under torchrun): no port to pick, and a
         # restarted attempt cannot meet the dead attempt's agents.
-        init_rpc(self.global_rank, self.world_size, None, self.rpc_threads, self.timeout_s, self.listen_interface, local=self.num_nodes == 1)
+        init_rpc(self.global_rank, self.world_size, None, self.rpc_threads, self.timeout_s, self.listen_interface, local=self.num_nodes == 1,
+                 transports=self.rpc_transports, channels=self.rpc_channels)
 
     @property
     def data_parallel_group(self) -> Any:
@@ -283,7 +289,7 @@ class ParameterServerStrategy(DDPStrategy):
         if workers == 1 or not params:
             return
         flat = torch.cat([p.grad.reshape(-1) for p in params])  # one fused collective per step
-        self.comm_stats.record(GRAD_ALLREDUCE, flat, "all_reduce", workers)
+        self.comm_stats.record(GRAD_ALLREDUCE, flat, "all_reduce", self._worker_group)
         dist.all_reduce(flat, group=self._worker_group)
         flat /= workers
         offset = 0
@@ -311,6 +317,9 @@ class ParameterServerStrategy(DDPStrategy):
             return super().reduce(tensor, group, reduce_op)
         if self.is_server:
             return tensor
+        if self.parallel_dims.workers > 1:  # counted as the base class counts it: a barrier, then an all-reduce
+            self.comm_stats.record(METRICS, 0, "barrier", group or self._worker_group)
+            self.comm_stats.record(METRICS, tensor, "all_reduce", group or self._worker_group)
         return _sync_ddp_if_available(tensor, group or self._worker_group, reduce_op=reduce_op)
 
     def all_gather(self, tensor: torch.Tensor, group: Any = None, sync_grads: bool = False) -> torch.Tensor:
@@ -326,10 +335,9 @@ class ParameterServerStrategy(DDPStrategy):
         total = self.reduce(torch.tensor(int(decision), device=self.root_device), reduce_op="sum")
         return bool(total == self.parallel_dims.workers) if all else bool(total)
 
-    def _counted_reduce(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
-        if self.parallel_dims.workers > 1 and not self.is_server:
-            self.comm_stats.record(METRICS, tensor, "all_reduce", self.parallel_dims.workers)
-        return self.reduce(tensor.clone(), reduce_op=op)
+    @property
+    def report_group(self) -> Any:
+        return self._worker_group  # servers take no part in the workers' collectives
 
     # ---------------------------------------------------------------- checkpoints
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
@@ -359,13 +367,15 @@ class ParameterServerStrategy(DDPStrategy):
 
     def summary_metrics(self, trainer: Any) -> dict[str, Any]:
         """Servers' rows and bytes, the rows the workers touched, and bytes per step against the formula."""
+        metrics = super().summary_metrics(trainer)
         client = self.client
         if client is None:
-            return {}
+            return metrics
         steps = max(client.steps_done - client.first_step, 1)  # the steps this process trained
         dim = max(spec.dim for spec in client.specs.values())
         expected = 2 * (8 + 4 * dim) * client.unique_ids_pulled / steps
-        measured = self.comm_stats.bytes("ps") / steps
+        sent = self.comm_stats.bytes("ps") / steps
+        measured = sent + client.bytes_received / steps  # the formula counts both directions of the worker's link
         touched: list[Any] = [None] * self.parallel_dims.workers
         dist.all_gather_object(touched, {n: sorted(ids) for n, ids in client.touched.items()}, group=self._worker_group)
         tables: dict[str, dict[str, int]] = {}
@@ -376,13 +386,15 @@ class ParameterServerStrategy(DDPStrategy):
                     entry[key] += stats[key]
         for name, entry in tables.items():
             entry["unique_ids_touched"] = len(set().union(*(t.get(name, []) for t in touched)))
-        return {
+        return {**metrics,
             "ps": {
                 "mode": self.mode,
                 "servers": self.parallel_dims.servers,
                 "workers": self.parallel_dims.workers,
                 "geo_k_steps": self.geo_k_steps if self.mode == "geo" else None,
-                "bytes_per_step": measured,
+                "bytes_per_step": measured,  # sent + received
+                "sent_bytes_per_step": sent,  # = comm.by_kind.ps: ids out, pushes out
+                "received_bytes_per_step": measured - sent,  # rows the servers sent back
                 "formula_bytes_per_step": expected,
                 "bytes_ratio": measured / expected if expected else None,
                 "tables": tables,

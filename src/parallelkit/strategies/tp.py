@@ -15,6 +15,24 @@ from parallelkit.models.plans import model_plans
 from parallelkit.strategies.base import LIGHTNING_BACKWARD
 from parallelkit.strategies.mesh import MeshStrategy
 
+def say_if_experts_replicated(model: torch.nn.Module, source: Any, who: str) -> None:
+    """One line on rank 0 when ``model`` has Mixture-of-Experts layers: tensor parallelism keeps every expert whole
+    on every tensor-parallel rank (the models' tp plans leave them out; expert parallelism is what spreads them),
+    so their memory is not divided by tp — the user should not learn that from a memory figure."""
+    from lightning.pytorch.utilities import rank_zero_info
+
+    make = model_plans(model, source).find("expert_parallel_plan")
+    try:
+        plan = make(model) if make is not None else None
+    except ConfigError:  # a plan that refuses (no MoE layers in this configuration)
+        return
+    if plan is None or not plan.sites:
+        return
+    rank_zero_info(f"parallelkit: {who} keeps the {plan.num_experts} experts of each of the {len(plan.sites)} MoE layers of "
+                   f"{type(model).__name__} whole on every tensor-parallel rank (replicated, not split); strategy=moe, or "
+                   "strategy=hybrid4d with strategy.ep > 1, spreads them over ranks.")
+
+
 class TensorParallelSteps:
     """Runs a strategy's steps inside its :class:`TensorParallel` handle's context (``self.tensor_parallel``).
 
@@ -46,8 +64,8 @@ class TensorParallelSteps:
             return super().backward(closure_loss, optimizer, *args, **kwargs)
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        # Not counted: comm.bytes_sent_per_step is the traffic of a training step.
-        with self._tp_context(count=False):
+        # Counted under the validation phase (comm_validation), apart from a training step's traffic.
+        with self._tp_context():
             return super().validation_step(*args, **kwargs)
 
 
@@ -102,6 +120,7 @@ class TensorParallelStrategy(TensorParallelSteps, MeshStrategy):
     def check_model(self, model: torch.nn.Module, world_size: int) -> None:
         """Raise :class:`ConfigError` if ``model`` cannot be split as planned (called before launch)."""
         self._plan_for(model, self.plan(world_size).tp)
+        say_if_experts_replicated(model, self.plan_source, "strategy=tp")
 
     def _plan_for(self, model: torch.nn.Module, tp: int) -> TensorParallelPlan:
         return model_plans(model, self.plan_source).tensor_parallel_plan(tp, sequence_parallel=self.sequence_parallel, who="strategy=tp")

@@ -83,6 +83,8 @@ class ZeroStrategy(MeshStrategy):
         if not isinstance(bucket_cap_mb, (int, float)) or bucket_cap_mb <= 0:
             raise ConfigError(f"strategy.bucket_cap_mb should be a number greater than 0. Got {bucket_cap_mb!r}.")
         check_unit_policy(stage, per_block, shard_modules, shard_min_params)
+        check_stage_knobs(stage, sharding_group=sharding_group, per_block=per_block, reshard_after_forward=reshard_after_forward,
+                          bucket_cap_mb=bucket_cap_mb)
         super().__init__(save_distributed_checkpoint=save_distributed_checkpoint, timeout_s=timeout_s, process_group_backend=process_group_backend)
         self.stage = stage
         self.sharding_group = None if sharding_group in (None, -1) else sharding_group
@@ -205,6 +207,34 @@ class ZeroStrategy(MeshStrategy):
     def _zero_for(self, optimizer: Any) -> ZeroOptimizer | None:
         optimizer = getattr(optimizer, "_optimizer", optimizer)  # LightningOptimizer
         return next((z for z in self.zero_optimizers if z.optimizer is optimizer), None)
+
+
+# The knobs that act at some stages only: (the stages where they take effect, why not at the others).
+# shard_modules / shard_min_params are checked with the unit policy (check_unit_policy).
+_STAGE_KNOBS = {
+    "sharding_group": ((1, 2, 3), "stage 0 is plain data parallelism: nothing is sharded, so there are no sharding groups"),
+    "per_block": ((3,), "only stage 3 shards the parameters, in units"),
+    "reshard_after_forward": ((3,), "only stage 3 gathers sharded parameters for forward"),
+    "bucket_cap_mb": ((0, 1, 2), "stage 3 (FSDP2) communicates per sharding unit, not in buckets"),
+}
+
+
+def check_stage_knobs(stage: int, **given: Any) -> None:
+    """A knob set away from its default at a stage that ignores it is an error, not a silent no-op (STYLE.md 6):
+    the user would believe, say, that ``bucket_cap_mb`` tuned a stage-3 run."""
+    import inspect
+
+    defaults = {name: p.default for name, p in inspect.signature(ZeroStrategy.__init__).parameters.items()}
+    for name, value in given.items():
+        stages, why = _STAGE_KNOBS[name]
+        if name in ("per_block", "reshard_after_forward") and not isinstance(value, bool):
+            raise ConfigError(f"strategy.{name} should be true or false. Got {value!r}.")
+        unset = value == defaults[name] or (name == "sharding_group" and value == -1)  # -1 = null: all ranks
+        if stage not in stages and not unset:
+            where = ", ".join(str(s) for s in stages[:-1]) + (" or " if len(stages) > 1 else "") + str(stages[-1])
+            shown = str(value).lower() if isinstance(value, bool) else value  # as the command line spells it
+            raise ConfigError(f"strategy.{name}={shown} cannot take effect with strategy.stage={stage}: {why}. "
+                              f"Drop it, or use strategy.stage={where}.")
 
 
 def check_unit_policy(stage: int, per_block: bool, shard_modules: Any, shard_min_params: Any) -> None:

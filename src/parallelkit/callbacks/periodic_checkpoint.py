@@ -1,0 +1,228 @@
+"""Periodic checkpoints: every N optimizer steps and/or every M minutes, the newest K kept, ``last.ckpt``
+always the newest, and one more at an agreed step boundary when the job is asked to stop.
+
+Lightning's ``ModelCheckpoint`` does each of these alone, not together: steps *or* time (mutually exclusive),
+and with ``monitor=None`` it keeps only one checkpoint; its time trigger broadcasts rank 0's clock before
+every batch. Here the ranks agree every ``agree_every_s`` seconds of training (the number of steps between
+agreements adapts to the step time, and is itself agreed) in one small all-reduce that carries "a time-based
+checkpoint is due" and "some rank was asked to stop" (:mod:`parallelkit.callbacks.local_sigterm`).
+
+Each checkpoint is written twice, as Lightning's ``save_last=True`` does: ``last.ckpt`` first, then
+``epoch=E-step=S.ckpt`` (a file, or a directory for sharded and DeepSpeed checkpoints); the oldest step
+checkpoints beyond ``save_top_k`` are removed through the strategy (``remove_checkpoint``: files and
+directories, and what a strategy keeps beside them). Every write is atomic, so a write that fails or a
+process killed while writing leaves the previous checkpoint loadable; a failed write stops the job with
+:class:`~parallelkit.errors.WriteFailed` (one paragraph, exit code 5). A checkpoint due at a step that
+validation follows is written after it, so that a resumed run neither repeats nor skips that validation.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.pytorch.callbacks import Checkpoint
+from lightning.pytorch.utilities import rank_zero_info
+
+from parallelkit.callbacks.local_sigterm import StoppedBySignal
+from parallelkit.errors import ConfigError, WriteFailed
+
+CHECKPOINT_NAME = re.compile(r"^epoch=\d+-step=(\d+)\.ckpt$")
+LAST = "last.ckpt"
+MAX_STEPS_BETWEEN_AGREEMENTS = 10_000
+
+
+class PeriodicCheckpoint(Checkpoint):
+    """Checkpoint every ``every_n_steps`` optimizer steps and/or ``every_n_minutes``, keep the newest ``save_top_k``.
+
+    Args:
+        dirpath: the checkpoint directory (``<run dir>/checkpoints``).
+        every_n_steps: a checkpoint when the optimizer step is a multiple of it; 0 or ``None``: not by steps.
+        every_n_minutes: a checkpoint when this much training time has passed since the last one; 0 or
+            ``None``: not by time.
+        save_top_k: step checkpoints kept besides ``last.ckpt`` (the newest ones); -1: all; 0: ``last.ckpt`` only.
+        agree_every_s: how often (seconds of training) the ranks agree on time-based checkpoints and stops.
+
+    Example::
+
+        Trainer(callbacks=[PeriodicCheckpoint("run/checkpoints", every_n_steps=100, every_n_minutes=30), LocalSigterm()])
+    """
+
+    def __init__(self, dirpath: str | Path, every_n_steps: int | None = 100, every_n_minutes: float | None = 30.0,
+                 save_top_k: int = 3, agree_every_s: float = 2.0) -> None:
+        if every_n_steps is not None and (not isinstance(every_n_steps, int) or isinstance(every_n_steps, bool) or every_n_steps < 0):
+            raise ConfigError(f"checkpoint.every_n_steps should be an int ≥ 0 (0 or null: not by steps). Got {every_n_steps!r}.")
+        if every_n_minutes is not None and (not isinstance(every_n_minutes, (int, float)) or isinstance(every_n_minutes, bool)
+                                            or not math.isfinite(every_n_minutes) or every_n_minutes < 0):
+            raise ConfigError(f"checkpoint.every_n_minutes should be a number of minutes ≥ 0 (0 or null: not by time). Got {every_n_minutes!r}.")
+        if not isinstance(save_top_k, int) or isinstance(save_top_k, bool) or save_top_k < -1:
+            raise ConfigError(f"checkpoint.save_top_k should be an int ≥ -1 (-1: keep all, 0: last.ckpt only). Got {save_top_k!r}.")
+        if not isinstance(agree_every_s, (int, float)) or agree_every_s <= 0:
+            raise ConfigError(f"PeriodicCheckpoint(agree_every_s=...) should be a number of seconds greater than 0. Got {agree_every_s!r}.")
+        self.dirpath = Path(dirpath)
+        self.every_n_steps = every_n_steps or 0
+        self.every_n_minutes = float(every_n_minutes or 0)
+        self.save_top_k = save_top_k
+        self.agree_every_s = float(agree_every_s)
+        self.last_model_path = ""  # Lightning's name: where last.ckpt is, once written
+        self._stopper: Any = None
+        self._pending: int | None = None  # a checkpoint deferred to the end of validation (the stop signal, or 0)
+
+    @property
+    def state_key(self) -> str:
+        return self._generate_state_key(dirpath=str(self.dirpath))
+
+    # ---------------------------------------------------------------------------------------- hooks
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        if not callable(getattr(trainer.fit_loop.epoch_loop, "_should_check_val_fx", None)):
+            raise RuntimeError("PeriodicCheckpoint relies on Lightning's training_epoch_loop._should_check_val_fx (Lightning 2.6): "
+                               "this Lightning version has none; check the pinned version.")
+        self._stopper = next((cb for cb in trainer.callbacks if callable(getattr(cb, "agreement_signal", None))), None)
+        if self._stopper is not None:
+            self._stopper.connect(self)
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        now = time.monotonic()
+        # The step a resumed run starts at is in its checkpoint already: nothing to write until the next one.
+        self._seen_step = self._saved_step = self._agreed_step = trainer.global_step
+        self._saved_at = self._agreed_at = now
+        self._next_agreement = trainer.global_step + 1
+        self._pending = None
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        step = trainer.global_step
+        if step == self._seen_step:
+            return  # a micro-batch inside an accumulated step: not a step boundary
+        self._seen_step = step
+        due = bool(self.every_n_steps) and step % self.every_n_steps == 0
+        signum = self._pending or 0
+        due = due or self._pending is not None  # deferred to a validation that did not run: write it now
+        self._pending = None
+        if step >= self._next_agreement and self._agrees():
+            time_due, signum = self._agree(trainer, step, signum)
+            due = due or time_due or bool(signum)
+        if not due:
+            return
+        if _validation_follows(trainer):
+            self._pending = signum
+            return
+        self._save_then_stop(trainer, signum)
+
+    def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
+        if self._pending is None or trainer.sanity_checking:
+            return
+        signum, self._pending = self._pending, None
+        self._save_then_stop(trainer, signum)
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        if trainer.global_step != self._saved_step:  # the final state, whatever the schedule
+            self._save(trainer, step_file=bool(self._pending is not None or (self.every_n_steps and trainer.global_step % self.every_n_steps == 0)))
+
+    # ---------------------------------------------------------------------------------------- agreement
+    def _agrees(self) -> bool:
+        """Whether there is anything to agree on: time-based checkpoints, or stops on a signal."""
+        return bool(self.every_n_minutes) or (self._stopper is not None and getattr(self._stopper, "checkpoint_on_signal", False))
+
+    def _agree(self, trainer: Any, step: int, signum: int) -> tuple[bool, int]:
+        """One all-reduce (max) of [signal, time due, -steps to the next agreement]: every rank leaves with the
+        same decision and the same next agreement step."""
+        now = time.monotonic()
+        local_signal = self._stopper.agreement_signal() if self._stopper is not None else 0
+        time_due = bool(self.every_n_minutes) and now - self._saved_at >= 60 * self.every_n_minutes
+        step_s = (now - self._agreed_at) / max(step - self._agreed_step, 1)
+        gap = max(1, min(MAX_STEPS_BETWEEN_AGREEMENTS, int(self.agree_every_s / step_s) if step_s > 0 else MAX_STEPS_BETWEEN_AGREEMENTS))
+        mine = [float(max(signum, local_signal)), float(time_due), -float(gap)]
+        if trainer.world_size > 1:
+            from parallelkit.callbacks.run_summary import _global_max
+
+            mine = _global_max(trainer.strategy, torch.tensor(mine, dtype=torch.float64, device=trainer.strategy.root_device)).tolist()
+        self._next_agreement = step + int(-mine[2])
+        self._agreed_at, self._agreed_step = now, step
+        return bool(mine[1]), int(mine[0])
+
+    # ---------------------------------------------------------------------------------------- writing
+    def _save_then_stop(self, trainer: Any, signum: int) -> None:
+        if signum and self._stopper is not None:
+            self._stopper.stopping()  # from here on, a timer or another signal must not end this rank
+        self._save(trainer, step_file=True)
+        if signum and not _last_step(trainer):
+            rank_zero_info(f"parallelkit: stopped on {signal.Signals(signum).name} after step {trainer.global_step}, "
+                           f"checkpoint {self.last_model_path}; resume with ckpt_path=last.")
+            raise StoppedBySignal(signum)
+
+    def _save(self, trainer: Any, step_file: bool) -> None:
+        """``last.ckpt``, then the step checkpoint; then the oldest step checkpoints beyond ``save_top_k`` go."""
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        for logger in trainer.loggers:  # the rows of the steps this checkpoint holds are on disk before it is
+            logger.save()
+        step = trainer.global_step
+        paths = [self.dirpath / LAST]
+        if step_file and self.save_top_k != 0:
+            paths.append(self.dirpath / f"epoch={trainer.current_epoch}-step={step}.ckpt")
+        for path in paths:
+            try:
+                trainer.save_checkpoint(path, weights_only=False)
+            except (OSError, CheckpointException) as err:
+                raise self._write_failed(trainer, path, err) from None
+            except RuntimeError as err:
+                if "inline_container" not in str(err):  # torch.save's writer on a full disk; else not a write error
+                    raise
+                raise self._write_failed(trainer, path, err) from None
+        self.last_model_path = str(paths[0])
+        self._saved_step, self._saved_at = step, time.monotonic()
+        self._prune(trainer)
+
+    def _prune(self, trainer: Any) -> None:
+        if self.save_top_k < 0:
+            return
+        names = None
+        if trainer.is_global_zero and self.dirpath.is_dir():
+            found = sorted((int(m.group(1)), p.name) for p in self.dirpath.iterdir() if (m := CHECKPOINT_NAME.match(p.name)))
+            old = found[:-self.save_top_k] if self.save_top_k else found
+            resumed = Path(trainer.ckpt_path).resolve() if trainer.ckpt_path else None
+            names = [name for _, name in old if (self.dirpath / name).resolve() != resumed]  # Lightning keeps that one too
+        # Every rank calls the strategy with the same list (a strategy may remove collectively).
+        for name in trainer.strategy.broadcast(names) or []:
+            trainer.strategy.remove_checkpoint(self.dirpath / name)
+
+    def _write_failed(self, trainer: Any, path: Path, err: BaseException) -> WriteFailed:
+        failures = getattr(err, "failures", None)  # CheckpointException: {rank: (exception, traceback)}
+        if failures:
+            what = "; ".join(f"rank {rank}: {_reason(failure)}" for rank, failure in sorted(failures.items()))
+            report = trainer.is_global_zero
+        else:
+            what = f"rank {trainer.global_rank}: {_reason(err)}"
+            report = True
+        previous = (f"{self.dirpath / LAST} (step {self._saved_step})" if (self.dirpath / LAST).exists()
+                    else "there is none yet: this run had written no checkpoint")
+        return WriteFailed(
+            f"could not write the checkpoint {path} at step {trainer.global_step} ({what}). Training stopped; the previous "
+            f"checkpoint is intact: {previous}. Free space on that file system (or point hydra.run.dir elsewhere), then go "
+            "on with ckpt_path=last.",
+            report=report,
+        )
+
+
+def _reason(failure: Any) -> str:
+    error = failure[0] if isinstance(failure, tuple) else failure
+    if isinstance(error, OSError) and error.strerror:
+        return f"{error.strerror} (errno {error.errno})"
+    return f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
+
+
+def _validation_follows(trainer: Any) -> bool:
+    """Whether Lightning validates right after this batch (it decides in the epoch loop's ``on_advance_end``)."""
+    batches = trainer.num_val_batches
+    if not (sum(batches) if isinstance(batches, list) else batches):
+        return False  # no validation batches: Lightning skips the loop, and on_validation_end with it
+    return bool(trainer.fit_loop.epoch_loop._should_check_val_fx(trainer.fit_loop._data_fetcher))
+
+
+def _last_step(trainer: Any) -> bool:
+    return trainer.max_steps > 0 and trainer.global_step >= trainer.max_steps

@@ -1,0 +1,5 @@
+"""Hugging Face ``transformers`` causal language models as parallelkit models (``model=hf``)."""
+
+from parallelkit.models.hf.model import HFCausalLM
+
+__all__ = ["HFCausalLM"]

@@ -1,0 +1,329 @@
+"""Seconds of one optimizer step of a layout on a machine, term by term.
+
+- **compute** per layer and micro-batch: every GEMM at its per-rank shape (``tp`` splits heads and MLP columns;
+  ``b·s`` rows) timed by the profile's roofline (:meth:`Hardware.gemm_time`: matmul efficiency falls for small or
+  thin GEMMs), backward = twice the forward GEMMs, plus the memory-bound work (norms, activation functions,
+  softmax, residuals, dropout: the bytes they read and write at the memory bandwidth, backward twice forward).
+  ``recompute=full`` runs each layer's forward again before its backward (its tp collectives too);
+  ``selective`` the attention core (dense attention; fused attention recomputes nothing extra). The last stage
+  adds the output layer and the loss, the first the embedding.
+- **tensor parallel**: 2 all-reduces forward and 2 backward per layer on the activations (sequence parallel:
+  reduce-scatter + all-gather, the same bytes), exposed (DTensor runs them in line); the vocabulary-parallel
+  embedding and loss add one all-reduce of the activations and three small ones of the logits' statistics.
+- **expert parallel**: dispatch and combine all-to-alls, forward and backward, ``top_k`` copies of each token.
+- **pipeline**: ``m·T_max + (p − 1)/v·T_avg`` for per-micro-batch stage times ``T`` (Narayanan et al. 2021,
+  §2.2: bubble ``(p − 1)/m``, interleaved ``(p − 1)/(v·m)``); zero-bubble schedules a third of that bubble
+  (ZB-H1, Qi et al. 2023, with equal F, B, W times); point-to-point sends of ``b·s·h`` activations per stage
+  boundary and direction (``/tp`` with scatter/gather), on the critical path — with ``Runtime.async_p2p`` (Llama 3
+  §3.3.2) only the pipeline's fill and drain wait on them (the bubble keeps them); in the steady state they run
+  behind the compute, exposed as the overlapped collectives below.
+- **data parallel** gradient all-reduce once per step (in 25 MiB buckets); **sharding** (ZeRO-3 / FSDP2)
+  all-gathers per micro-step (forward, and backward again when resharding after forward) and reduce-scatters (per
+  micro-step without a pipeline, once after the last micro-batch with one), one collective per unit (each block and
+  the rest of the model), HSDP's all-reduce of the shards over ``dp``. Overlap with
+  backward is the runtime's (:class:`~parallelkit.planner.workload.Runtime`): overlapped communication costs
+  only what exceeds the compute it hides behind, and at least one unit's share.
+- **optimizer step**: memory-bound over the rank's (sharded) state, plus the profile's per-step framework overhead
+  (the training loop's own work, measured by ``--calibrate``; 0 in the GPU profiles).
+- **DTensor dispatch**: tensor parallelism and FSDP2 run on DTensors, each operation of which costs the profile's
+  ``dtensor_op_overhead`` on the host: per tp layer and micro-batch its 6 split linears × (1 forward + 2 backward)
+  × 2 (the matmul and its redistribution) = 36 (+12 under full recompute); per FSDP2 unit and micro-step 8 (the
+  unshard/reshard and reduce-scatter hooks); per parameter tensor an optimizer step of ~10 elementwise ops.
+- **shared compute units**: when a node has fewer compute units than ranks (CPU processes on fewer cores) the step
+  takes at least the node's total compute divided by its units (idle pipeline ranks leave theirs to the others).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from parallelkit.distributed.parallel_dims import DP, EP, PP, SHARDING, TP
+from parallelkit.planner.hardware import Hardware
+from parallelkit.planner.layout import Layout, Stages, crosses_nodes
+from parallelkit.planner.memory import RankMemory
+from parallelkit.planner.workload import Workload
+
+COMM_AXES = (DP, SHARDING, TP, PP, EP)
+BUCKET_BYTES = 25 * 2**20  # parallelkit's GradAllReduce buckets (grad_sync.DEFAULT_BUCKET_MB)
+
+
+@dataclass
+class LayerTimes:
+    """Seconds of one layer for one micro-batch (compute and the exposed tp/ep communication)."""
+
+    forward: float
+    backward: float
+    recompute: float
+    comm_tp: float  # of which tensor-parallel communication (forward, backward, recompute)
+    comm_ep: float  # of which expert-parallel all-to-alls
+    flops: float  # model FLOPs (forward + backward, no recompute)
+    tp_bytes: float = 0.0
+    ep_bytes: float = 0.0
+
+    @property
+    def total(self) -> float:
+        return self.forward + self.backward + self.recompute
+
+
+@dataclass
+class StepTime:
+    """The step's time terms (seconds) and what decided them."""
+
+    compute: float = 0.0  # the pipeline's compute path incl. recompute (excl. communication)
+    recompute: float = 0.0
+    bubble: float = 0.0
+    comm: dict[str, float] = field(default_factory=dict)  # exposed seconds per axis
+    comm_bytes: dict[str, float] = field(default_factory=dict)  # bytes the busiest rank sends per step, per axis
+    comm_bytes_by_rank: list[dict[str, float]] = field(default_factory=list)  # per representative pipeline rank
+    crosses: dict[str, bool] = field(default_factory=dict)
+    optimizer: float = 0.0
+    dispatch: float = 0.0  # DTensor operations' host overhead (tp, FSDP2)
+    shared_units_floor: float = 0.0  # the node-sharing bound, when it decides
+    total: float = 0.0
+    model_flops: float = 0.0
+
+    def as_dict(self) -> dict[str, float]:
+        out = {"compute": self.compute, "recompute": self.recompute, "bubble": self.bubble, "optimizer": self.optimizer,
+               "dispatch": self.dispatch,
+               "shared_units_floor": self.shared_units_floor, "total": self.total}
+        out.update({f"comm_{a}": v for a, v in self.comm.items()})
+        return out
+
+
+class CostModel:
+    """Times layouts of one workload on one machine (caching what repeats across layouts)."""
+
+    def __init__(self, workload: Workload, hardware: Hardware) -> None:
+        self.w, self.hw = workload, hardware
+        self._layers: dict[tuple, LayerTimes] = {}
+        self._heads: dict[tuple, tuple[float, float, float]] = {}
+
+    # ---------------------------------------------------------------- one layer
+    def layer(self, b: int, tp: int, ep: int, moe: bool, tp_cross: bool, ep_cross: bool) -> LayerTimes:
+        key = (b, tp, ep, moe, tp_cross, ep_cross)
+        if key not in self._layers:
+            self._layers[key] = self._layer(*key)
+        return self._layers[key]
+
+    def _layer(self, b: int, tp: int, ep: int, moe: bool, tp_cross: bool, ep_cross: bool) -> LayerTimes:
+        w, hw, shape = self.w, self.hw, self.w.shape
+        e, dtype, s = w.precision.activation, w.precision.compute, w.seq_len
+        h, a, kv, d, f = shape.hidden, shape.heads, shape.kv_heads, shape.head_dim, shape.ffn
+        rows = b * s
+        gemm = hw.gemm_time
+        # Attention projections (column-parallel q, k, v; row-parallel output), per rank.
+        proj = gemm(rows, (a + 2 * kv) * d / tp, h, e, dtype) + gemm(rows, h, a * d / tp, e, dtype)
+        heads = b * a / tp
+        causal = 0.5 if w.attention == "flash" else 1.0  # a fused kernel skips the masked half of the scores
+        core = causal * (gemm(s, s, d, e, dtype, heads) + gemm(s, d, s, e, dtype, heads))
+        if moe:  # router, then each token's top_k experts (whole on every tp rank, spread over ep)
+            tokens = rows * shape.top_k
+            per_expert = tokens * ep / shape.experts
+            mats = 3 if shape.gated else 2
+            mlp = gemm(rows, shape.experts, h, e, dtype)
+            mlp += (shape.experts / ep) * ((mats - 1) * gemm(per_expert, f, h, e, dtype) + gemm(per_expert, h, f, e, dtype))
+            ffn_width, mlp_rows = f, tokens
+        else:
+            mats = 3 if shape.gated else 2
+            mlp = (mats - 1) * gemm(rows, f / tp, h, e, dtype) + gemm(rows, h, f / tp, e, dtype)
+            ffn_width, mlp_rows = f / tp, rows
+        # Memory-bound work of the forward, bytes read + written: 2 norms, 2 residual adds, the activation
+        # function, attention softmax (dense) or nothing extra (fused), dropout where there is dropout.
+        sbh = rows * h
+        mem = 2 * 2 * e * sbh + 2 * 3 * e * sbh
+        mem += (3 if shape.gated else 2) * e * mlp_rows * ffn_width
+        if w.attention == "dense":
+            mem += 2 * e * s * s * b * a / tp * (2 if shape.dropout else 1)
+        if shape.dropout:
+            mem += 2 * 3 * e * sbh
+        if shape.family.startswith("hf:") and shape.gated:  # rotary embeddings on q and k
+            mem += 2 * e * rows * (a + kv) * d / tp
+        kernels = 14 + (2 * shape.experts / max(ep, 1) if moe else 0)
+        elementwise = hw.memory_time(mem, kernels)
+        forward = proj + core + mlp + elementwise
+        backward = 2 * (proj + core + mlp) + 2 * elementwise
+        # Tensor parallel: 2 all-reduces of the activations forward, 2 backward (exposed).
+        act = e * sbh
+        tp_one = hw.collective_time("all_reduce", act, tp, tp_cross) if tp > 1 else 0.0
+        tp_bytes = 4 * act * 2 * (tp - 1) / tp if tp > 1 else 0.0
+        ep_one = hw.collective_time("all_to_all", act * shape.top_k, ep, ep_cross) if (moe and ep > 1) else 0.0
+        ep_bytes = 4 * act * shape.top_k * (ep - 1) / ep if (moe and ep > 1) else 0.0
+        comm_f, comm_b = 2 * tp_one + 2 * ep_one, 2 * tp_one + 2 * ep_one
+        recompute = 0.0
+        passes = 2  # forward and backward; full recompute runs the forward's collectives once more
+        if w.recompute == "full":
+            recompute = forward + comm_f
+            passes = 3
+        elif w.recompute == "selective" and w.attention == "dense":
+            recompute = core + hw.memory_time(2 * e * s * s * b * a / tp, 2)
+        flops = 3 * 2 * rows * (((a + 2 * kv) * d * h + a * d * h) / tp + (mats * f * h * (shape.top_k if moe else 1)) / (1 if moe else tp))
+        flops += 3 * 2 * 2 * causal * s * s * d * heads
+        return LayerTimes(forward + comm_f, backward + comm_b, recompute, passes * 2 * tp_one, passes * 2 * ep_one, flops,
+                          tp_bytes * passes / 2, ep_bytes * passes / 2)
+
+    def head(self, b: int, tp: int, tp_cross: bool) -> tuple[float, float, float]:
+        """(forward + backward seconds, exposed tp seconds, FLOPs) of the output layer and the loss."""
+        key = (b, tp, tp_cross)
+        if key not in self._heads:
+            w, hw = self.w, self.hw
+            e, dtype, rows, v = w.precision.activation, w.precision.compute, b * w.seq_len, w.shape.vocab / tp
+            gemm = hw.gemm_time(rows, v, w.shape.hidden, e, dtype)
+            loss = hw.memory_time(rows * v * (e + 3 * 4) * 2, 6)  # logits → fp32 softmax → gradient, read and written
+            comm = 0.0
+            if tp > 1:  # vocabulary-parallel loss: max, sum and the target logit over tp (fp32 per token)
+                comm = 3 * hw.collective_time("all_reduce", 4 * rows, tp, tp_cross)
+                comm += hw.collective_time("all_reduce", e * rows * w.shape.hidden, tp, tp_cross)  # embedding's output
+            self._heads[key] = (3 * gemm + loss + comm, comm, 3 * 2 * rows * v * w.shape.hidden)
+        return self._heads[key]
+
+    # ---------------------------------------------------------------- the step
+    def step(self, layout: Layout, stages: Stages, memory: list[RankMemory]) -> StepTime:
+        """The step time of ``layout`` (``stages`` and ``memory``: the representative pipeline ranks)."""
+        w, hw, shape = self.w, self.hw, self.w.shape
+        n = hw.devices_per_node
+        cross = {axis: crosses_nodes(layout, axis, n) for axis in COMM_AXES}
+        b, m, tp, ep = layout.micro_batch, layout.micro_steps, layout.tp, layout.ep
+        v = layout.virtual_stages if layout.pp > 1 else 1
+        out = StepTime(crosses=cross, comm=dict.fromkeys(COMM_AXES, 0.0), comm_bytes=dict.fromkeys(COMM_AXES, 0.0))
+        moe_ids = set(shape.moe_layer_ids)
+        per_mb, compute_only, recompute, flops, inline = [], [], [], [], []
+        for i, layers in enumerate(stages.layers):
+            n_moe = sum(1 for layer in layers if layer in moe_ids) if moe_ids else 0
+            c = r = fl = 0.0
+            comm = dict.fromkeys((TP, EP, PP), 0.0)
+            sent = dict.fromkeys(COMM_AXES, 0.0)
+            for count, is_moe in ((len(layers) - n_moe, False), (n_moe, True)):
+                if count:
+                    lt = self.layer(b, tp, ep, is_moe, cross[TP], cross[EP])
+                    c += count * (lt.total - lt.comm_tp - lt.comm_ep)
+                    r += count * lt.recompute
+                    fl += count * lt.flops
+                    comm[TP] += count * lt.comm_tp
+                    comm[EP] += count * lt.comm_ep
+                    sent[TP] += count * lt.tp_bytes
+                    sent[EP] += count * lt.ep_bytes
+            act = w.precision.activation * b * w.seq_len * shape.hidden
+            if stages.first[i] and tp > 1:  # the vocabulary-parallel embedding's all-reduce
+                comm[TP] += hw.collective_time("all_reduce", act, tp, cross[TP])
+                sent[TP] += 2 * act * (tp - 1) / tp
+            if stages.last[i]:
+                ht, hcomm, hfl = self.head(b, tp, cross[TP])
+                c, fl, comm[TP] = c + ht - hcomm, fl + hfl, comm[TP] + hcomm
+                sent[TP] += 3 * 2 * 4 * b * w.seq_len * (tp - 1) / tp if tp > 1 else 0.0
+            if layout.pp > 1:
+                msg = act / (tp if w.runtime.p2p_scatter_gather else 1)
+                comm[PP] = stages.sends[i] * hw.collective_time("p2p", msg, 2, cross[PP])
+                sent[PP] = stages.sends[i] * msg
+            per_mb.append(c + sum(comm.values()))
+            compute_only.append(c)
+            recompute.append(r)
+            flops.append(fl)
+            inline.append(comm)
+            out.comm_bytes_by_rank.append({axis: value * m for axis, value in sent.items()})
+        weights = stages.weights
+        total_weight = sum(weights)
+        async_p2p = w.runtime.async_p2p and layout.pp > 1
+        steady = [t - c[PP] for t, c in zip(per_mb, inline)] if async_p2p else per_mb  # sends behind the compute
+        worst = max(range(len(steady)), key=steady.__getitem__)
+        t_max = steady[worst]
+        t_avg = sum(t * k for t, k in zip(per_mb, weights)) / total_weight
+        bubble_factor = 1 / 3 if layout.schedule in ("zero_bubble", "zbv") else 1.0
+        out.bubble = (layout.pp - 1) / v * t_avg * bubble_factor if layout.pp > 1 else 0.0
+        out.compute = m * compute_only[worst]
+        out.recompute = m * recompute[worst]
+        pipeline = m * t_max + out.bubble
+        for axis in (TP, EP, PP):  # in line with the bottleneck stage's compute: exposed every micro-batch
+            out.comm[axis] = m * inline[worst][axis]
+        if async_p2p:  # overlapped with the steady state's compute: what exceeds it, at least one send
+            out.comm[PP] = _exposed(out.comm[PP], m * t_max, max(1, m * stages.sends[worst]))
+            pipeline += out.comm[PP]
+        # Data-parallel and sharding collectives, per representative rank; the slowest decides.
+        dp_time = sh_time = 0.0
+        for i, mem in enumerate(memory):
+            dpt, sht, sent = self._data_parallel(layout, mem, cross)
+            dp_time, sh_time = max(dp_time, dpt), max(sh_time, sht)
+            for axis, value in sent.items():
+                out.comm_bytes_by_rank[i][axis] += value
+        for axis in COMM_AXES:
+            out.comm_bytes[axis] = max(r[axis] for r in out.comm_bytes_by_rank)
+        units = max(len(stages.layers[worst]), 1)
+        backward_window = m * t_max * 2 / 3  # the compute a gradient reduction can hide behind
+        exposed_dp = _exposed(dp_time, backward_window, units) if w.runtime.overlap_dp else dp_time
+        exposed_sh = _exposed(sh_time, m * t_max, units) if w.runtime.overlap_sharding else sh_time
+        out.comm[DP], out.comm[SHARDING] = exposed_dp, exposed_sh
+        out.optimizer = max(self._optimizer(mem) for mem in memory) + hw.step_overhead
+        out.dispatch = max(self._dispatch(layout, layers, mem) for layers, mem in zip(stages.layers, memory))
+        critical = pipeline + exposed_dp + exposed_sh + out.optimizer + out.dispatch
+        if hw.units_per_node < n:  # ranks share compute units: the node's busy time, spread over its units
+            ranks_per_node = min(n, layout.world)
+            mean_compute = sum(c * k for c, k in zip(compute_only, weights)) / total_weight
+            busy = (mean_compute * m + out.optimizer + out.dispatch) * ranks_per_node
+            floor = busy / hw.units_per_node + exposed_dp + exposed_sh + sum(out.comm[a] for a in (TP, EP, PP))
+            if floor > critical:
+                out.shared_units_floor = floor
+                critical = floor
+        out.total = critical
+        out.model_flops = sum(f * k for f, k in zip(flops, weights)) / total_weight * m
+        return out
+
+    def _data_parallel(self, layout: Layout, mem: RankMemory, cross: dict[str, bool]) -> tuple[float, float, dict[str, float]]:
+        """Seconds of one rank's dp and sharding collectives per step (before overlap), and the bytes it sends."""
+        hw, p = self.hw, self.w.precision
+        dp, s, z = layout.dp, layout.sharding, layout.zero_stage if layout.sharding > 1 else 0
+        dense, experts = mem.param_elements - mem.expert_elements, mem.expert_elements
+        sent = {DP: 0.0, SHARDING: 0.0}
+        dp_time = sh_time = 0.0
+        if s > 1:
+            # FSDP reduce-scatters every backward without a pipeline (ZeRO-1 once per step); a pipeline once.
+            reductions = layout.micro_steps if (layout.pp == 1 and z >= 2) else 1
+            gathers = (2 if (layout.reshard_after_forward and layout.pp == 1) else 1) * (layout.micro_steps if (layout.pp == 1 and z >= 3) else 1)
+            grads, params = dense * p.grad, dense * p.param
+            # ZeRO-3 (FSDP2) gathers and reduces unit by unit (each block, then the rest): one collective per unit;
+            # ZeRO-1/2 reduce and gather the whole flat buffer.
+            units = max(1, round(mem.units)) if z >= 3 else 1
+            sh_time = reductions * units * hw.collective_time("reduce_scatter", grads / units, s, cross[SHARDING])
+            sh_time += gathers * units * hw.collective_time("all_gather", params / units, s, cross[SHARDING])
+            sent[SHARDING] = (reductions * grads + gathers * params) * (s - 1) / s
+            if dp > 1:  # HSDP: replicas all-reduce their shard, unit by unit
+                dp_time = reductions * units * hw.collective_time("all_reduce", grads / s / units, dp, cross[DP])
+                sent[DP] = reductions * 2 * grads / s * (dp - 1) / dp
+        elif dp > 1:
+            grads = dense * p.grad
+            buckets = max(1, math.ceil(grads / BUCKET_BYTES))
+            dp_time = buckets * hw.collective_time("all_reduce", grads / buckets, dp, cross[DP])
+            sent[DP] = 2 * grads * (dp - 1) / dp
+        if experts and dp * s > layout.ep:  # expert gradients: over the ranks holding the same experts
+            g = dp * s // layout.ep
+            dp_time += hw.collective_time("all_reduce", experts * p.grad, g, cross[DP])
+            sent[DP] += 2 * experts * p.grad * (g - 1) / g
+        return dp_time, sh_time, sent
+
+    def _dispatch(self, layout: Layout, layers: list[int], mem: RankMemory) -> float:
+        """Host seconds of the DTensor operations of tensor parallelism and FSDP2 (see the module docstring)."""
+        if self.hw.dtensor_op_overhead == 0 or (layout.tp == 1 and layout.sharding == 1):
+            return 0.0
+        shape, m = self.w.shape, layout.micro_steps
+        ops = 0.0
+        if layout.tp > 1:
+            ops += m * len(layers) * (48 if self.w.recompute == "full" else 36)
+        if layout.sharding > 1:
+            ops += m * (len(layers) + 1) * 8
+        tensors = len(layers) * shape.layer_tensors + 3  # + embedding / head / final norm
+        ops += 10 * tensors
+        return ops * self.hw.dtensor_op_overhead
+
+    def _optimizer(self, memory: RankMemory) -> float:
+        """The optimizer step reads the gradients and reads/writes the weights, master copy and moments."""
+        p, slots = self.w.precision, self.w.optimizer_slots
+        elements = memory.optimizer / max(slots * p.state, 1) if slots * p.state else memory.param_elements
+        per_element = p.grad + 2 * (p.master or p.param) + 2 * slots * p.state + (p.param if p.master else 0)
+        return self.hw.memory_time(elements * per_element, 4)
+
+
+def _exposed(comm: float, window: float, units: int) -> float:
+    """Communication overlapped with ``window`` seconds of compute: what exceeds the window, and at least one
+    unit's share (the first gather / last reduction has nothing to hide behind)."""
+    if comm <= 0:
+        return 0.0
+    return max(comm - window, comm / units)

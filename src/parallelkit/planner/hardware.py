@@ -1,0 +1,294 @@
+"""The machine the planner costs layouts on: a hardware profile (YAML), named or calibrated.
+
+A profile says how fast one rank computes and how fast groups of ranks communicate:
+
+- **matmul**: achievable FLOP/s of a large GEMM per compute dtype (``fp32``, ``bf16``), HBM/DRAM bandwidth and
+  a fixed cost per kernel. A GEMM ``(m, n, k)`` takes ``max(2mnk / flops, bytes / bandwidth) + overhead`` (a
+  roofline: small or thin GEMMs are memory- or launch-bound), unless the profile measured that very shape.
+- **collectives**: per operation and group size, ``latency + bytes sent / bandwidth`` (measured by
+  ``--calibrate``), else from the link figures: intra-node within a node, inter-node for a group spanning nodes.
+- **compute units per node**: fewer than the ranks on a node means the ranks share them (CPU processes on
+  fewer cores): a step then takes at least the node's total compute divided by the units.
+
+Named profiles live in ``parallelkit/planner/profiles/`` (``strategy.hardware=a100_80gb_8x``); a calibrated
+one is a path (``strategy.hardware=hardware_HOST.yaml``), written by ``python -m parallelkit.plan --calibrate``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import asdict, dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+from parallelkit.errors import ConfigError
+
+PROFILES = Path(__file__).parent / "profiles"
+OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")
+
+
+@dataclass(frozen=True)
+class Link:
+    """One rank's link: bytes/s it sends, seconds per message."""
+
+    bandwidth: float
+    latency: float
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """A hardware profile (see the module docstring). Bandwidths in bytes/s, times in seconds, memory in bytes.
+
+    Args:
+        name: the profile's name.
+        devices_per_node: ranks per node (ranks ``k·n … k·n + n − 1`` share node ``k``).
+        memory_per_device: bytes one rank may hold.
+        memory_reserved: bytes of that the runtime keeps for itself (CUDA context, communication buffers).
+        matmul_flops: achievable GEMM FLOP/s per compute dtype.
+        memory_bandwidth: achievable bytes/s of memory-bound kernels.
+        kernel_overhead: seconds every kernel costs besides its work (launch, dispatch).
+        step_overhead: seconds of framework work every rank does per optimizer step besides the model's kernels
+            (the training loop, optimizer bookkeeping, data loading; measured by ``--calibrate``).
+        dtensor_op_overhead: extra seconds an operation on a DTensor (tensor parallel, FSDP2's sharded parameters)
+            costs over the same operation on a plain tensor (dispatch; measured by ``--calibrate``; 0 in the GPU
+            profiles, where it runs ahead of the device's work).
+        intra_node / inter_node: link figures.
+        compute_units_per_node: independent compute units the node's ranks share (None: one per rank).
+        collectives: ``{op: {group_size: [latency, bandwidth]}}`` measured inside a node.
+        matmul_measured: ``{"m,n,k,dtype": seconds}`` measured GEMM times.
+        backend: the communication backend the figures are for.
+        sources: where every figure comes from.
+    """
+
+    name: str
+    devices_per_node: int
+    memory_per_device: float
+    matmul_flops: dict[str, float]
+    memory_bandwidth: float
+    intra_node: Link
+    inter_node: Link
+    kernel_overhead: float = 0.0
+    step_overhead: float = 0.0
+    dtensor_op_overhead: float = 0.0
+    memory_reserved: float = 0.0
+    compute_units_per_node: float | None = None
+    collectives: dict[str, dict[int, tuple[float, float]]] = field(default_factory=dict)
+    matmul_measured: dict[str, float] = field(default_factory=dict)
+    backend: str = "nccl"
+    sources: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        _positive("devices_per_node", self.devices_per_node, integer=True)
+        _positive("memory_per_device", self.memory_per_device)
+        _positive("memory_bandwidth", self.memory_bandwidth)
+        if not self.matmul_flops:
+            raise ConfigError("strategy.hardware.matmul_flops needs at least one dtype (fp32, bf16) with its FLOP/s.")
+        for dtype, value in self.matmul_flops.items():
+            _positive(f"matmul_flops.{dtype}", value)
+        for name in ("intra_node", "inter_node"):
+            link = getattr(self, name)
+            _positive(f"{name}.bandwidth", link.bandwidth)
+            _non_negative(f"{name}.latency", link.latency)
+        _non_negative("kernel_overhead", self.kernel_overhead)
+        _non_negative("step_overhead", self.step_overhead)
+        _non_negative("dtensor_op_overhead", self.dtensor_op_overhead)
+        _non_negative("memory_reserved", self.memory_reserved)
+        if self.memory_reserved >= self.memory_per_device:
+            raise ConfigError(f"strategy.hardware.memory_reserved={self.memory_reserved:.3g} leaves nothing of memory_per_device={self.memory_per_device:.3g}.")
+        if self.compute_units_per_node is not None:
+            _positive("compute_units_per_node", self.compute_units_per_node)
+        for op in self.collectives:
+            if op not in OPS:
+                raise ConfigError(f"strategy.hardware.collectives has an unknown operation {op!r}; it takes {', '.join(OPS)}.")
+
+    # ---------------------------------------------------------------- derived
+    @property
+    def usable_memory(self) -> float:
+        return self.memory_per_device - self.memory_reserved
+
+    @property
+    def units_per_node(self) -> float:
+        return self.compute_units_per_node or self.devices_per_node
+
+    def flops(self, dtype: str) -> float:
+        return self.matmul_flops.get(dtype) or self.matmul_flops.get("fp32") or next(iter(self.matmul_flops.values()))
+
+    def gemm_time(self, m: float, n: float, k: float, elem: int, dtype: str, batch: float = 1.0) -> float:
+        """Seconds of ``batch`` GEMMs ``(m × k) @ (k × n)`` (see the module docstring)."""
+        if m <= 0 or n <= 0 or k <= 0:
+            return 0.0
+        measured = self.matmul_measured.get(f"{int(m)},{int(n)},{int(k)},{dtype}")
+        if measured is not None and batch == int(batch):
+            return measured * batch
+        work = 2.0 * m * n * k / self.flops(dtype)
+        traffic = elem * (m * k + k * n + m * n) / self.memory_bandwidth
+        return batch * (max(work, traffic) + self.kernel_overhead)
+
+    def memory_time(self, nbytes: float, kernels: float = 0.0) -> float:
+        """Seconds of memory-bound work moving ``nbytes`` in ``kernels`` kernels."""
+        return nbytes / self.memory_bandwidth + kernels * self.kernel_overhead
+
+    def collective_time(self, op: str, nbytes: float, group: int, across_nodes: bool) -> float:
+        """Seconds of one collective on a buffer of ``nbytes`` (the full tensor; p2p: the message) over ``group`` ranks.
+
+        Bytes each rank sends (ring): all-reduce ``2(g−1)/g·n``, all-gather / reduce-scatter / all-to-all ``(g−1)/g·n``,
+        p2p ``n``. A measured fit for ``(op, g)`` inside a node is used as is; otherwise the link's latency counts
+        ``1 + log2 g`` times (tree-like start-up) and its bandwidth carries the bytes.
+        """
+        if group <= 1 or nbytes <= 0:
+            return 0.0
+        sent = {"all_reduce": 2 * (group - 1) / group, "p2p": 1.0}.get(op, (group - 1) / group) * nbytes
+        fit = None if across_nodes else _nearest_fit(self.collectives.get(op, {}), group)
+        if fit is not None:
+            latency, bandwidth = fit
+            return latency + sent / bandwidth
+        link = self.inter_node if across_nodes else self.intra_node
+        return link.latency * (1 + math.log2(group)) + sent / link.bandwidth
+
+    def with_overrides(self, **values: Any) -> Hardware:
+        return replace(self, **values)
+
+    def as_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["sources"] = list(self.sources)
+        out["collectives"] = {op: {int(g): list(v) for g, v in by_g.items()} for op, by_g in self.collectives.items()}
+        return out
+
+
+def _nearest_fit(fits: dict[int, tuple[float, float]], group: int) -> tuple[float, float] | None:
+    if not fits:
+        return None
+    if group in fits:
+        return fits[group]
+    # A group size not measured: the nearest measured size's figures (latency grows slowly with g on one node).
+    nearest = min(fits, key=lambda g: (abs(math.log2(g) - math.log2(group)), -g))
+    return fits[nearest]
+
+
+def _positive(name: str, value: Any, integer: bool = False) -> None:
+    kind = int if integer else (int, float)
+    if not isinstance(value, kind) or isinstance(value, bool) or value <= 0:
+        raise ConfigError(f"strategy.hardware.{name} should be a {'positive integer' if integer else 'number greater than 0'}. Got {value!r}.")
+
+
+def _non_negative(name: str, value: Any) -> None:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
+        raise ConfigError(f"strategy.hardware.{name} should be a number ≥ 0. Got {value!r}.")
+
+
+# ------------------------------------------------------------------------------------ loading and saving
+def from_dict(data: dict[str, Any], where: str) -> Hardware:
+    """A :class:`Hardware` from a profile's mapping (YAML), every field checked."""
+    known = {f.name for f in fields(Hardware)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ConfigError(f"{where}: unknown hardware profile keys {unknown}; a profile takes {sorted(known)}.")
+    missing = sorted(f.name for f in fields(Hardware) if f.name in
+                     ("name", "devices_per_node", "memory_per_device", "matmul_flops", "memory_bandwidth", "intra_node", "inter_node")
+                     and f.name not in data)
+    if missing:
+        raise ConfigError(f"{where}: the hardware profile lacks {missing}.")
+    values = dict(data)
+    try:
+        for name in ("intra_node", "inter_node"):
+            values[name] = Link(float(values[name]["bandwidth"]), float(values[name]["latency"]))
+        values["matmul_flops"] = {str(k): float(v) for k, v in dict(values["matmul_flops"]).items()}
+        for name in ("memory_per_device", "memory_bandwidth", "kernel_overhead", "step_overhead", "dtensor_op_overhead", "memory_reserved"):
+            if name in values:
+                values[name] = float(values[name])
+        values["collectives"] = {str(op): {int(g): (float(v[0]), float(v[1])) for g, v in dict(by_g).items()}
+                                 for op, by_g in dict(values.get("collectives") or {}).items()}
+        values["matmul_measured"] = {str(k): float(v) for k, v in dict(values.get("matmul_measured") or {}).items()}
+        values["sources"] = tuple(str(s) for s in values.get("sources") or ())
+    except (KeyError, TypeError, ValueError, IndexError) as err:
+        raise ConfigError(f"{where}: malformed hardware profile ({type(err).__name__}: {err}).") from None
+    return Hardware(**values)
+
+
+def named_profiles() -> list[str]:
+    return sorted(p.stem for p in PROFILES.glob("*.yaml"))
+
+
+def load_profile(spec: str) -> Hardware:
+    """A named profile (``a100_80gb_8x``) or a YAML file path."""
+    import yaml
+
+    path = Path(spec).expanduser()
+    if not path.suffix and (PROFILES / f"{spec}.yaml").is_file():
+        path = PROFILES / f"{spec}.yaml"
+    if not path.is_file():
+        raise ConfigError(
+            f"strategy.hardware={spec}: neither a named profile ({', '.join(named_profiles())}) nor a file. "
+            "Give one of those names, or a profile written by `python -m parallelkit.plan --calibrate`."
+        )
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        raise ConfigError(f"strategy.hardware={spec}: not valid YAML ({err}).") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"strategy.hardware={spec}: a profile is a mapping of keys, got {type(data).__name__}.")
+    return from_dict(data, f"strategy.hardware={spec}")
+
+
+def save_profile(hardware: Hardware, path: Path, header: str = "") -> Path:
+    import yaml
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    text = yaml.safe_dump(hardware.as_dict(), sort_keys=False, width=120)
+    path.write_text((header + "\n" if header else "") + text)
+    return path
+
+
+# ------------------------------------------------------------------------------------ strategy.hardware
+#: The flat keys strategy.hardware has always taken, mapped onto a profile.
+FLAT_KEYS = ("devices_per_node", "memory_per_device", "intra_node_bandwidth", "inter_node_bandwidth", "intra_node_latency",
+             "inter_node_latency", "flops_per_device", "memory_bandwidth", "memory_reserved")
+
+
+def resolve_hardware(spec: Any, *, accelerator: str, devices_per_node: int, memory_default: float | None = None) -> Hardware:
+    """``strategy.hardware`` → :class:`Hardware`: a profile name or path, or a mapping of the flat keys (null:
+    the base profile's value) with an optional ``profile`` naming the base. Without a base: ``cpu_default`` or
+    ``gpu_default`` (rough figures, not measurements), the node size from ``trainer.devices``."""
+    values: dict[str, Any] = {}
+    if isinstance(spec, str):
+        base_name = spec
+    else:
+        values = {k: v for k, v in dict(spec or {}).items() if v is not None}
+        base_name = values.pop("profile", None)
+        unknown = sorted(set(values) - set(FLAT_KEYS))
+        if unknown:
+            raise ConfigError(f"strategy.hardware has no {unknown}; it takes profile (a name or a path) and {sorted(FLAT_KEYS)}.")
+    explicit = base_name is not None
+    base = load_profile(base_name or ("gpu_default" if accelerator == "gpu" else "cpu_default"))
+    # The job's processes per node (trainer.devices) decide which ranks share a node, whatever node the profile
+    # describes; only an explicit strategy.hardware.devices_per_node says otherwise.
+    base = replace(base, devices_per_node=devices_per_node)
+    if not explicit:
+        base = replace(base, memory_per_device=memory_default or base.memory_per_device, memory_reserved=0.0)
+    changes: dict[str, Any] = {}
+    for key in ("devices_per_node",):
+        if key in values:
+            _positive(key, values[key], integer=True)
+            changes[key] = values[key]
+    for key in ("memory_per_device", "memory_bandwidth", "memory_reserved"):
+        if key in values:
+            (_non_negative if key == "memory_reserved" else _positive)(key, values[key])
+            changes[key] = float(values[key])
+    if "flops_per_device" in values:
+        _positive("flops_per_device", values["flops_per_device"])
+        changes["matmul_flops"] = {d: float(values["flops_per_device"]) for d in ("fp32", "bf16")}
+    for side in ("intra_node", "inter_node"):
+        link = getattr(base, side)
+        bw, lat = values.get(f"{side}_bandwidth", link.bandwidth), values.get(f"{side}_latency", link.latency)
+        _positive(f"{side}_bandwidth", bw)
+        _non_negative(f"{side}_latency", lat)
+        if (bw, lat) != (link.bandwidth, link.latency):
+            changes[side] = Link(float(bw), float(lat))
+            changes["collectives"] = {}  # measured fits no longer describe these links
+    return replace(base, **changes) if changes else base
+
+
+def host_memory_per_rank(devices_per_node: int) -> float:
+    """This host's RAM shared by its ranks."""
+    return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")) / devices_per_node

@@ -1,0 +1,318 @@
+"""The search: every layout of the world size that ``strategy=hybrid4d`` can run, every way to cut its batch, costed.
+
+**Degrees** ``dp × sharding × tp × pp (× ep)`` = world. They are pruned by divisibility before anything is costed
+(:func:`degree_problem`): tp must divide the sizes the model's tensor-parallel plan splits, pp·v ≤ its blocks,
+ep its experts and ``dp × sharding``, ``dp × sharding`` the global batch; and by hybrid4d's refusals (sequence
+parallel with pp or sharding, a pipeline with mixed precision, tp/pp of tied embeddings, tp or ep groups across
+nodes unless allowed). These mirror hybrid4d's own checks, which confirm the choice before training
+(:meth:`parallelkit.strategies.auto.AutoStrategy.resolve`); ``tests/unit/test_planner_search.py`` holds the mirror
+to them layout by layout.
+
+**Batch cut** (free parameters): without a pipeline, gradient accumulation ``a`` (micro-batch ``B_r / a``); with
+one, the micro-batch count ``m`` (micro-batch ``B_r / m``) as the schedule allows (1F1B: ``m ≥ pp·v``;
+interleaved: whole rounds), and the stages per rank ``v`` for interleaved schedules. Each cut is a candidate.
+
+**Ranking**: fitting candidates by estimated step time (ties: less memory), then the rest by memory.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from parallelkit.distributed.parallel_dims import DEFAULT_MESH_ORDER, EP, TP
+from parallelkit.errors import ConfigError
+from parallelkit.planner.cost_model import CostModel, StepTime
+from parallelkit.planner.hardware import Hardware
+from parallelkit.planner.layout import MULTI_STAGE, SCHEDULES, Layout, crosses_nodes, pipeline_slots, pipeline_stages, representative_ranks
+from parallelkit.planner.memory import RankMemory, rank_memory
+from parallelkit.planner.workload import Workload
+
+
+@dataclass(frozen=True)
+class SearchOptions:
+    """What the search may vary and what it must respect.
+
+    Args:
+        schedule: the pipeline schedule (``strategy.schedule``).
+        virtual_stages: stages per rank for interleaved schedules; None: searched (2 … 8).
+        max_microbatches: upper bound on pipeline micro-batches (None: any divisor of the per-rank batch).
+        search_accumulate: choose gradient accumulation without a pipeline (else keep ``trainer.accumulate_grad_batches``).
+        mesh_order: outermost → innermost mesh axes.
+        reshard_after_forward: ZeRO-3 option; None: hybrid4d's default (reshard without a pipeline only).
+        allow_tp_across_nodes / allow_ep_across_nodes: let tp / ep groups span nodes.
+        norm_clipping: ``trainer.gradient_clip_val`` by norm (hybrid4d refuses it with ep > 1).
+        pipeline_needs_fp32: hybrid4d's pipeline runs ``trainer.precision=32-true`` only.
+        zero_stage: what sharding shards (hybrid4d's FSDP2: 3).
+    """
+
+    schedule: str = "1f1b"
+    virtual_stages: int | None = None
+    max_microbatches: int | None = None
+    search_accumulate: bool = True
+    mesh_order: tuple[str, ...] = DEFAULT_MESH_ORDER
+    reshard_after_forward: bool | None = None
+    allow_tp_across_nodes: bool = False
+    allow_ep_across_nodes: bool = False
+    norm_clipping: bool = False
+    pipeline_needs_fp32: bool = True
+    zero_stage: int = 3
+
+    def __post_init__(self) -> None:
+        if self.schedule not in SCHEDULES:
+            raise ConfigError(f"strategy.schedule={self.schedule!r} is not a pipeline schedule. Use one of {', '.join(SCHEDULES)}.")
+        if self.max_microbatches is not None and (not isinstance(self.max_microbatches, int) or self.max_microbatches < 1):
+            raise ConfigError(f"strategy.max_microbatches should be an int greater than 0 or null. Got {self.max_microbatches!r}.")
+
+
+@dataclass
+class Candidate:
+    """One layout and batch cut, with its estimates (the most loaded pipeline rank's memory; per-axis comm)."""
+
+    layout: Layout
+    invalid: str | None = None
+    memory: dict[str, float] = field(default_factory=dict)
+    memory_by_pp_rank: dict[int, dict[str, float]] = field(default_factory=dict)
+    time: StepTime | None = None
+    fits: bool = False
+    tokens_per_s_per_device: float = 0.0
+
+    @property
+    def degrees(self) -> dict[str, int]:
+        return self.layout.degrees
+
+    @property
+    def label(self) -> str:
+        return self.layout.label
+
+    @property
+    def microbatches(self) -> int:
+        return self.layout.microbatches
+
+    @property
+    def total_time(self) -> float:
+        return self.time.total if self.time else math.inf
+
+    @property
+    def comm_bytes(self) -> dict[str, float]:
+        return self.time.comm_bytes if self.time else {}
+
+    @property
+    def crosses_nodes(self) -> dict[str, bool]:
+        return self.time.crosses if self.time else {}
+
+    def why_not(self, usable_memory: float) -> str:
+        if self.invalid:
+            return self.invalid
+        if not self.fits:
+            return f"needs {gib(self.memory['total'])} per rank > {gib(usable_memory)}"
+        return ""
+
+    def as_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"layout": self.layout.as_dict(), "fits": self.fits, "invalid": self.invalid}
+        if self.time is not None:
+            out.update(memory_bytes={k: int(v) for k, v in self.memory.items()},
+                       memory_bytes_by_pp_rank={str(r): {k: int(v) for k, v in m.items()} for r, m in self.memory_by_pp_rank.items()},
+                       time_s=self.time.as_dict(), comm_bytes_per_step={k: int(v) for k, v in self.time.comm_bytes.items()},
+                       crosses_nodes=dict(self.time.crosses), step_time_s=self.total_time,
+                       tokens_per_s_per_device=self.tokens_per_s_per_device)
+        return out
+
+
+@dataclass
+class AutoPlan:
+    """The planner's answer: every candidate, ranked; ``chosen`` is the first."""
+
+    world_size: int
+    hardware: Hardware
+    workload: Workload
+    candidates: list[Candidate]
+    invalid_layouts: int = 0
+
+    @property
+    def chosen(self) -> Candidate:
+        return self.candidates[0]
+
+    @property
+    def num_params(self) -> int:
+        return self.workload.num_params
+
+    def as_dict(self) -> dict[str, Any]:
+        """The chosen layout and its estimates, as written to ``summary.json`` (``auto_plan``)."""
+        c = self.chosen
+        by_rank = c.time.comm_bytes_by_rank if c.time else []
+        return {"chosen": dict(c.degrees), "zero_stage": c.layout.zero_stage if c.layout.sharding > 1 else 0,
+                "microbatches": c.layout.microbatches, "accumulate": c.layout.accumulate, "micro_batch": c.layout.micro_batch,
+                "virtual_stages": c.layout.virtual_stages, "hardware": self.hardware.name,
+                "estimated_memory_bytes": {k: int(v) for k, v in c.memory.items()},
+                "estimated_comm_bytes_per_step": {k: int(v) for k, v in c.comm_bytes.items() if k != EP or v},
+                "estimated_comm_bytes_per_step_by_pp_rank": [{k: int(v) for k, v in r.items() if k != EP or v} for r in by_rank],
+                "estimated_step_time_s": c.total_time, "estimated_time_terms_s": c.time.as_dict() if c.time else {},
+                "candidates_fitting": sum(x.fits for x in self.candidates),
+                "candidates_valid": sum(x.invalid is None for x in self.candidates)}
+
+
+def gib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**26 else f"{n / 2**20:.2f} MiB"
+
+
+# ------------------------------------------------------------------------------------ enumeration
+def divisors(n: int) -> list[int]:
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))
+
+
+def degree_sets(world: int, experts: int = 0) -> list[tuple[int, int, int, int, int]]:
+    """Every ``(dp, sharding, tp, pp, ep)`` with ``dp·sharding·tp·pp = world`` (``ep`` divides ``dp·sharding`` and the experts)."""
+    out = []
+    for tp in divisors(world):
+        for pp in divisors(world // tp):
+            rest = world // (tp * pp)
+            for sharding in divisors(rest):
+                eps = [e for e in divisors(rest) if experts and experts % e == 0] or [1]
+                for ep in eps:
+                    out.append((rest // sharding, sharding, tp, pp, ep))
+    return out
+
+
+def degree_problem(w: Workload, hw: Hardware, layout: Layout, opts: SearchOptions) -> str | None:
+    """Why hybrid4d cannot run these degrees (None: it can), in the words of its own checks."""
+    shape, tp, pp, ep = w.shape, layout.tp, layout.pp, layout.ep
+    dp_size = layout.dp * layout.sharding
+    if w.sequence_parallel and pp > 1:
+        return f"strategy.sequence_parallel=true with strategy.pp={pp}: sequence-sharded activations between pipeline stages are not composed yet"
+    if w.sequence_parallel and layout.sharding > 1:
+        return f"strategy.sequence_parallel=true with strategy.sharding={layout.sharding}: not reduced through FSDP2 yet"
+    if tp > 1:
+        if shape.tp_plan:
+            return shape.tp_plan
+        if w.sequence_parallel and shape.sp_refusal:
+            return f"strategy.sequence_parallel=true with model={shape.family}: {shape.sp_refusal}"
+        sizes = list(shape.tp_sizes) + ([("data.seq_len (block_size)", w.seq_len)] if w.sequence_parallel else [])
+        bad = [f"{name}={value}" for name, value in sizes if value % tp]
+        if bad:
+            return f"strategy.tp={tp} does not divide " + "; ".join(bad)
+        if not opts.allow_tp_across_nodes and crosses_nodes(layout, TP, hw.devices_per_node):
+            return f"tp={tp} groups would span nodes of {hw.devices_per_node} ranks (strategy.allow_tp_across_nodes=true allows it)"
+    if ep > 1:
+        if not shape.experts:
+            return f"strategy.ep={ep}: the model has no Mixture-of-Experts layers"
+        if shape.experts % ep or dp_size % ep:
+            return f"strategy.ep={ep} must divide the {shape.experts} experts and dp × sharding = {dp_size}"
+        if opts.norm_clipping:
+            return f"strategy.ep={ep} with gradient clipping by norm (each rank holds different experts)"
+        if not opts.allow_ep_across_nodes and crosses_nodes(layout, EP, hw.devices_per_node):
+            return f"ep={ep} groups would span nodes of {hw.devices_per_node} ranks (strategy.allow_ep_across_nodes=true allows it)"
+    if pp > 1:
+        if pp > shape.layers:
+            return f"The pipeline has {pp} stages but the model has only {shape.layers} blocks to distribute"
+        if shape.tied:
+            return f"model={shape.family} ties its input and output embeddings: the first and last pipeline stage would share one weight"
+        if opts.pipeline_needs_fp32 and w.precision.name != "fp32":
+            return f"strategy=pp runs backward inside the pipeline schedule and supports trainer.precision=32-true only (the run uses {w.precision.name})"
+    if w.global_batch is not None and w.global_batch % dp_size:
+        return f"data.global_batch_size={w.global_batch} cannot be split evenly over dp × sharding = {dp_size} ranks"
+    return None
+
+
+def batch_cuts(w: Workload, layout: Layout, opts: SearchOptions) -> list[tuple[int, int, int]]:
+    """``(accumulate, microbatches, virtual_stages)`` options for these degrees (see the module docstring)."""
+    dp_size = layout.dp * layout.sharding
+    rank_batch = w.global_batch // dp_size if w.global_batch is not None else w.per_rank_batch * w.accumulate
+    if layout.pp == 1:
+        if opts.search_accumulate and w.global_batch is not None:
+            return [(a, 1, 1) for a in divisors(rank_batch)]
+        return [(w.accumulate, 1, 1)] if rank_batch % w.accumulate == 0 else []
+    virtuals, slots = [1], pipeline_slots(layout, w.shape.layers)  # each stage: a block, the embedding or the loss
+    if opts.schedule in MULTI_STAGE:
+        if opts.schedule == "zbv":
+            virtuals = [2]
+        elif opts.virtual_stages is not None:
+            virtuals = [opts.virtual_stages]
+        else:
+            virtuals = [v for v in range(2, 9) if layout.pp * v <= slots] or [2]
+    out = []
+    for m in divisors(rank_batch):
+        if opts.max_microbatches is not None and m > opts.max_microbatches:
+            continue
+        for v in virtuals:
+            stages = layout.pp * v
+            if stages > slots:
+                continue
+            if opts.schedule in ("1f1b", "zbv") and m < stages:
+                continue
+            if opts.schedule in ("interleaved_1f1b", "zero_bubble") and m % max(1, m // layout.pp):
+                continue
+            out.append((1, m, v))
+    return out
+
+
+# ------------------------------------------------------------------------------------ costing
+def evaluate(w: Workload, hw: Hardware, layout: Layout, model: CostModel | None = None) -> Candidate:
+    """Estimate one layout (memory of its representative pipeline ranks, step time)."""
+    model = model or CostModel(w, hw)
+    ranks, weights = representative_ranks(layout.pp, layout.embedding_and_loss_as_layers)
+    stages = pipeline_stages(layout, w.shape.layers, ranks)
+    stages.weights = weights
+    memory: list[RankMemory] = [rank_memory(w, layout, stages, i) for i in range(len(ranks))]
+    time = model.step(layout, stages, memory)
+    worst = max(memory, key=lambda r: r.total)
+    tokens = (w.global_batch if w.global_batch is not None else w.per_rank_batch * w.accumulate * layout.dp * layout.sharding) * w.seq_len
+    candidate = Candidate(layout, memory=worst.as_dict(), memory_by_pp_rank={r: m.as_dict() for r, m in zip(ranks, memory)},
+                          time=time, fits=worst.total <= hw.usable_memory,
+                          tokens_per_s_per_device=tokens / time.total / layout.world if time.total else 0.0)
+    return candidate
+
+
+def search(w: Workload, hw: Hardware, world: int, opts: SearchOptions = SearchOptions()) -> AutoPlan:
+    """Every candidate for ``world`` ranks, ranked (see the module docstring). Raises :class:`ConfigError` if none fits."""
+    model = CostModel(w, hw)
+    candidates: list[Candidate] = []
+    invalid = 0
+    for dp, sharding, tp, pp, ep in degree_sets(world, w.shape.experts):
+        reshard = (pp == 1) if opts.reshard_after_forward is None else opts.reshard_after_forward
+        base = Layout(dp, sharding, tp, pp, ep, zero_stage=opts.zero_stage if sharding > 1 else 0, schedule=opts.schedule,
+                      reshard_after_forward=reshard, mesh_order=tuple(opts.mesh_order))
+        problem = degree_problem(w, hw, base, opts)
+        cuts = [] if problem else batch_cuts(w, base, opts)
+        if not problem and not cuts:
+            problem = (f"no micro-batch count of the per-rank batch suits schedule={opts.schedule} with pp={pp}"
+                       + (f" (max_microbatches={opts.max_microbatches})" if opts.max_microbatches else ""))
+        if problem:
+            invalid += 1
+            candidates.append(Candidate(base, invalid=problem))
+            continue
+        rank_batch = (w.global_batch // (dp * sharding)) if w.global_batch is not None else w.per_rank_batch * w.accumulate
+        for accumulate, m, v in cuts:
+            micro = rank_batch // (accumulate * m)
+            layout = Layout(dp, sharding, tp, pp, ep, base.zero_stage, micro, m, accumulate, opts.schedule, v, reshard, base.mesh_order)
+            candidates.append(evaluate(w, hw, layout, model))
+    candidates.sort(key=_rank_key)
+    plan = AutoPlan(world, hw, w, candidates, invalid)
+    if not candidates or not candidates[0].fits:
+        _raise_nothing_fits(plan)
+    return plan
+
+
+def _rank_key(c: Candidate) -> tuple:
+    if c.invalid is not None:
+        return (2, 0.0, 0.0)
+    if not c.fits:
+        return (1, c.memory.get("total", 0.0), 0.0)
+    return (0, c.total_time, c.memory["total"])
+
+
+def _raise_nothing_fits(plan: AutoPlan) -> None:
+    world, hw = plan.world_size, plan.hardware
+    valid = [c for c in plan.candidates if c.invalid is None]
+    if not valid:
+        reasons = "; ".join(sorted({c.invalid for c in plan.candidates if c.invalid}))[:2000]
+        raise ConfigError(f"strategy=auto found no layout of {world} ranks that hybrid4d can run: {reasons}")
+    best = min(valid, key=lambda c: c.memory["total"])
+    raise ConfigError(
+        f"strategy=auto: no layout of {world} ranks fits strategy.hardware ({hw.name}: {gib(hw.usable_memory)} usable per device). "
+        f"The smallest needs {gib(best.memory['total'])} per rank ({best.label}, micro-batch {best.layout.micro_batch}: model state "
+        f"{gib(best.memory['state'])}, activations {gib(best.memory['activations'])}). Use more devices, devices with more memory "
+        "(strategy.hardware.memory_per_device), recompute=full, a smaller data.global_batch_size or a smaller model."
+    )

@@ -1,0 +1,126 @@
+"""``python -m parallelkit.plan``: the ranking, ``--json``, bad input, and ``--calibrate`` into a loadable profile."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from parallelkit.errors import ConfigError
+from parallelkit.plan import main
+from parallelkit.planner.calibrate import fit_latency_bandwidth, profile_from_measurements
+from parallelkit.planner.hardware import from_dict, load_profile, named_profiles, resolve_hardware, save_profile
+
+TINY = ["model.n_layer=2", "model.n_embd=32", "model.n_head=2", "data.seq_len=16", "data.global_batch_size=16"]
+MEGATRON_1T = ["model=gpt", "model.n_layer=128", "model.n_embd=25600", "model.n_head=160", "+model.vocab_size=51200",
+               "data.seq_len=2048", "data.global_batch_size=8192", "recompute=full"]
+
+
+def test_png_goes_beside_the_json_named_by_the_layout(tmp_path, monkeypatch, capsys):
+    """Without --png the picture lands beside --json's file (else in the current directory), named by the degrees."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "out").mkdir()
+    assert main([*TINY, "strategy=auto", "trainer.devices=4", "--json", "out/plan.json"]) == 0
+    chosen = json.loads((tmp_path / "out" / "plan.json").read_text())["chosen"]["layout"]
+    beside = tmp_path / "out" / ("plan_" + "_".join(f"{a}{chosen[a]}" for a in ("dp", "sharding", "tp", "pp", "ep")) + ".png")
+    assert beside.read_bytes()[:4] == b"\x89PNG"
+    assert main([*TINY, "strategy=hybrid4d", "strategy.tp=2", "strategy.pp=1", "trainer.devices=2"]) == 0
+    assert (tmp_path / "plan_dp1_sharding1_tp2_pp1_ep1.png").read_bytes()[:4] == b"\x89PNG"
+    out, err = capsys.readouterr()
+    assert f"rank grid drawn to {beside.relative_to(tmp_path)}" in out and err == ""  # one stream
+    assert main([*TINY, "strategy=hybrid4d", "trainer.devices=4", "--json", "x.json"]) == 2  # nothing to write: refused
+    assert "needs strategy=auto" in capsys.readouterr().err and not (tmp_path / "x.json").exists()
+
+
+def test_json_has_every_candidate_and_the_choice(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    assert main([*TINY, "strategy=auto", "trainer.devices=4", "--json", str(out), "--png", str(tmp_path / "g.png")]) == 0
+    text = capsys.readouterr().out
+    assert "deciding terms against the runner-up" in text and "every candidate written to" in text
+    data = json.loads(out.read_text())
+    assert data["chosen"]["layout"] == data["candidates"][0]["layout"]
+    costed = [c for c in data["candidates"] if not c["invalid"]]
+    refused = [c for c in data["candidates"] if c["invalid"]]
+    assert costed and refused  # tp=4 cannot split 2 heads: listed with why
+    for c in costed:
+        assert {"dp", "sharding", "tp", "pp", "micro_batch", "microbatches", "accumulate"} <= set(c["layout"])
+        assert {"state", "activations", "gathered", "total"} <= set(c["memory_bytes"])
+        assert {"compute", "bubble", "comm_dp", "comm_tp", "optimizer", "total"} <= set(c["time_s"])
+        assert isinstance(c["fits"], bool)
+    assert data["workload"]["num_params"] > 0 and data["hardware"]["name"] == "cpu_default"
+
+
+def test_a_16384_rank_trillion_parameter_plan_prints_without_a_rank_listing(capsys):
+    code = main([*MEGATRON_1T, "strategy=auto", "strategy.hardware=h100_80gb_8x", "trainer.devices=8", "trainer.num_nodes=2048",
+                 "trainer.precision=32-true", "strategy.schedule=interleaved_1f1b"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "strategy=auto: 16384 ranks" in out and "per-rank listing skipped" in out
+    assert "chosen:" in out and "1,009,349,478,400 parameters" in out  # Megatron's 1T, untied (+ V·h)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["strategy=auto", "strategy.hardware=no_such_profile"], "neither a named profile"),
+    (["strategy=auto", "--top"], "--top needs a value"),
+    (["strategy=auto", "--frobnicate"], "Unknown option --frobnicate"),
+    (["strategy=auto", "strategy.max_microbatches=0"], "max_microbatches should be an int greater than 0"),
+])
+def test_bad_input_is_one_error_paragraph_and_exit_2(args, message, capsys):
+    assert main([*TINY, *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("Error: ") and message in err and "Traceback" not in err
+
+
+def test_a_malformed_profile_file_is_refused(tmp_path):
+    bad = tmp_path / "hw.yaml"
+    bad.write_text("name: x\ndevices_per_node: 8\n")
+    with pytest.raises(ConfigError, match="lacks"):
+        load_profile(str(bad))
+    bad.write_text(yaml.safe_dump({**load_profile("a100_80gb_8x").as_dict(), "memory_per_device": -1}))
+    with pytest.raises(ConfigError, match="memory_per_device should be a number greater than 0"):
+        load_profile(str(bad))
+
+
+def test_named_profiles_cite_their_sources():
+    assert {"a100_80gb_8x", "h100_80gb_8x"} <= set(named_profiles())
+    for name in ("a100_80gb_8x", "h100_80gb_8x"):
+        hw = load_profile(name)
+        assert hw.devices_per_node == 8 and len(hw.sources) >= 4 and all("http" in s for s in hw.sources)
+        assert hw.intra_node.bandwidth > 5 * hw.inter_node.bandwidth  # NVLink against one NIC per GPU
+
+
+def test_latency_bandwidth_fit_recovers_known_links():
+    latency, bandwidth = 2e-3, 5e8
+    points = [(n, latency + n / bandwidth) for n in (4e3, 6.4e4, 5e5, 2e6)]
+    fit = fit_latency_bandwidth(points)
+    assert fit[0] == pytest.approx(latency, rel=1e-6) and fit[1] == pytest.approx(bandwidth, rel=1e-6)
+    noisy = [(4e3, 9e-3), (6.4e4, 2e-3), (5e5, 3e-3), (2e6, 6e-3)]  # a slow small message must not make the link infinite
+    assert fit_latency_bandwidth(noisy)[1] < 1e12
+
+
+def test_a_calibrated_profile_round_trips_and_loads_as_strategy_hardware(tmp_path):
+    rates = [10.0] * 4
+    raw = {op: {"2": [[4096.0, 1e-3], [2 * 2**20, 5e-3]]} for op in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")}
+    result = {"matmul_measured": {"64,64,64,fp32": 1e-5}, "single_gemm_s": 0.05, "concurrent_rates": rates, "add_s": 0.01,
+              "tiny_op_s": 5e-6, "peak_gemm_s_fp32": 0.02, "collectives_raw": [raw] * 4}
+    hw = profile_from_measurements(result, 4, ["fp32"])
+    assert hw.compute_units_per_node == pytest.approx(2.0)  # four processes at 10/s against one alone at 20/s
+    path = save_profile(hw, tmp_path / "hw.yaml")
+    loaded = resolve_hardware(str(path), accelerator="cpu", devices_per_node=4)
+    assert loaded == from_dict(yaml.safe_load(path.read_text()), "x") and loaded.collectives["p2p"][2] == hw.collectives["p2p"][2]
+
+
+def test_calibrate_measures_this_machine(tmp_path):
+    """The whole command on 2 processes: the profile it writes loads, and holds measured matmuls and collectives."""
+    out = tmp_path / "hw.yaml"
+    proc = subprocess.run([sys.executable, "-m", "parallelkit.plan", "--calibrate", *TINY, "trainer.devices=2", "--out", str(out)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    hw = load_profile(str(out))
+    assert hw.backend == "gloo" and hw.devices_per_node == 2 and hw.matmul_measured
+    assert set(hw.collectives) == {"all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p"}
+    assert all(lat > 0 and bw > 0 for by_g in hw.collectives.values() for lat, bw in by_g.values())
+    assert "measured by" in hw.sources[0]

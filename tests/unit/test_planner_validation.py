@@ -1,0 +1,41 @@
+"""The planner against published large-scale runs (parallelkit/planner/published/runs.yaml, docs/planner.md).
+
+Each documented run's published layout, costed on its hardware profile with the run's precision, recomputation
+and overlap, must be judged to fit and its predicted throughput per device must be within 25 % of the published
+figure. 25 %: the issue's bar — the sources themselves report end-to-end throughput that varies by more than 5 %
+between neighbouring configurations (Narayanan et al. 2021, Table 1: 135–148 TFLOP/s for 18B–145B on the same
+machine), and the profiles carry vendor figures and third-party micro-benchmarks, not these clusters' own.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from parallelkit.planner.validation import runs, validate
+
+RUNS = runs()
+# Documented misses: the planner judges the published layout not to fit (see docs/planner.md for the numbers).
+KNOWN_MISSES = {
+    "llama3_405b_8k_gpus": "Llama 3's own pipeline schedule and memory savings are not published; the planner needs 84-114 GiB "
+                           "per H100 for TP 8 × PP 16 without recomputation and predicts 1.12-1.26x the published throughput",
+}
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=KNOWN_MISSES[n])) if n in KNOWN_MISSES
+                                  else n for n in RUNS])
+def test_published_run_is_predicted_within_25_percent_and_fits(name):
+    result = validate(name, RUNS[name], with_auto=False)
+    assert result.published.fits, f"{name}: needs {result.published.memory['total'] / 2**30:.1f} GiB per device"
+    assert 0.75 <= result.ratio <= 1.25, f"{name}: predicted {result.published.tokens_per_s_per_device:.1f} tokens/s per device, published {result.published_tokens_per_s:.1f}"
+
+
+def test_at_least_three_sizes_are_validated():
+    sizes = {validate(n, r, with_auto=False).workload.num_params // 10**9 for n, r in RUNS.items() if n not in KNOWN_MISSES}
+    assert len(sizes) >= 3 and max(sizes) >= 1000 and min(sizes) < 10  # from under 10B to a trillion parameters
+
+
+def test_strategy_auto_answers_for_the_same_machine():
+    """What strategy=auto would run instead of Megatron's 145.6B layout, on the same 1,536 A100s: a layout that fits."""
+    result = validate("megatron_145.6b", RUNS["megatron_145.6b"])
+    assert result.auto is not None and result.auto.chosen.fits and result.auto.chosen.layout.world == 1536
+    assert result.auto.chosen.layout.pp == 1  # hybrid4d's pipeline runs trainer.precision=32-true only
