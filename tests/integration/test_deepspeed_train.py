@@ -73,9 +73,31 @@ def check_run(summary: dict, reference: dict, stage: int) -> None:
     ids=["stage0", "stage1-accumulate", "stage2-offload-optimizer"],
 )
 def test_stage_reproduces_single_process_loss(reference, tmp_path, stage, extra):
-    summary = run_ok([*DS, f"strategy.stage={stage}", *extra], tmp_path / "run")
+    extensions = tmp_path / "torch_extensions"  # where DeepSpeed compiles its ops (gcc) on first use
+    summary = run_ok([*DS, f"strategy.stage={stage}", *extra], tmp_path / "run", env={"TORCH_EXTENSIONS_DIR": str(extensions)})
     check_run(summary, reference, stage)
     assert (tmp_path / "run" / "checkpoints" / "last.ckpt" / "checkpoint").is_dir()  # a DeepSpeed checkpoint
+    # Start-up compiles no op: the runs use none (DeepSpeed steps the optim= optimizer parallelkit hands it, offloaded
+    # or not), and the shared-memory all-reduce of DeepSpeed's inference (deepspeed_shm_comm: 25-45 s of gcc
+    # here, on every new machine) is not built.
+    built = sorted(p.name for p in extensions.iterdir()) if extensions.exists() else []
+    assert built == [], built
+
+
+def test_deepspeed_is_started_without_building_its_inference_all_reduce():
+    """The stand-in for DeepSpeed's shm op builder lands in DeepSpeed's module. The negative control: the
+    ``import ... as`` spelling of that module is the torch package (deepspeed.comm star-imports torch), where
+    the stand-in once went, leaving the build in place."""
+    import importlib
+
+    import torch
+
+    from parallelkit.distributed.deepspeed_engine import _import_deepspeed, _no_shm_op
+
+    _import_deepspeed("gloo")
+    assert importlib.import_module("deepspeed.comm.torch").build_shm_op is _no_shm_op
+    import deepspeed.comm.torch as spelled_as
+    assert spelled_as is torch
 
 
 def test_stage3_offload_params_resumes_from_its_checkpoint(reference, tmp_path):

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from parallelkit.planner.layout import Layout, pipeline_stages
+from parallelkit.planner.layout import Layout, interleaved_peak, pipeline_stages, representative_ranks, stage_layers
 from parallelkit.planner.memory import korthikanti_per_layer, layer_activation_bytes, rank_memory
 from parallelkit.planner.shapes import gpt_shape
-from parallelkit.planner.workload import PRECISIONS, Workload
+from parallelkit.planner.workload import PRECISIONS, Runtime, Workload
 
 # GPT-3 175B's layer (Korthikanti et al. 2022, Table 3): s = 2048, h = 12288, a = 96.
 GPT3 = {"n_layer": 96, "n_embd": 12288, "n_head": 96, "bias": True, "dropout": 0.1}
@@ -67,7 +67,9 @@ def test_full_recompute_keeps_inputs_of_every_in_flight_micro_batch_and_one_work
     stages = pipeline_stages(layout, 96, [3])
     kept = rank_memory(w, layout, stages, 0).activations
     inputs = stages.in_flight_layers[0] * 2 * 2048 * 12288  # 2sbh per layer and micro-batch in flight
-    assert kept == pytest.approx(inputs + layer_activation_bytes(none, 1, 8))
+    outputs = stages.in_flight_outputs[0] * 2 * 2048 * 12288  # the stage's output per micro-batch in flight (kept)
+    assert stages.in_flight_outputs[0] == 8 - 3
+    assert kept == pytest.approx(inputs + outputs + layer_activation_bytes(none, 1, 8))
     assert kept < rank_memory(none, layout, stages, 0).activations / 5  # not one working set per micro-batch
 
 
@@ -100,3 +102,46 @@ def test_tied_embeddings_put_a_copy_on_the_last_stage():
     assert tied.head_params == 0
     assert first.param_elements - 2 * tied.dense_layer - tied.first_extra == tied.embed_params
     assert last.param_elements - 2 * tied.dense_layer - tied.last_extra == tied.embed_params
+
+
+def test_stage_outputs_are_kept_per_chunk_in_flight_unless_deallocated():
+    """torch.distributed.pipelining keeps each chunk's output until its backward; Megatron's deallocate_pipeline_outputs
+    (and Llama 3, §3.3.2) frees it once sent. Sequence parallelism keeps 1/t of it; the last stage sends none."""
+    layout = Layout(1, 1, 8, 4, microbatches=8, schedule="1f1b")
+    stages = pipeline_stages(layout, 96)
+    for sp in (False, True):
+        kept, freed = workload(sp=sp), workload(sp=sp).with_(runtime=Runtime(deallocate_stage_outputs=True))
+        for r in range(4):
+            extra = rank_memory(kept, layout, stages, r).activations - rank_memory(freed, layout, stages, r).activations
+            assert extra == pytest.approx((min(8, 4 - r) if r < 3 else 0) * 2 * 2048 * 12288 / (8 if sp else 1))
+
+
+def test_embedding_and_loss_take_a_layer_each_in_the_split():
+    """Llama 3 405B (§3.3.2): 126 blocks + embedding + loss = 16 ranks × 8 one-block chunks; the first chunk holds only
+    the embedding, the last only the loss, so the first and last rank hold 7 blocks, the others 8."""
+    blocks = stage_layers(126, 128, embedding_and_loss=True)
+    assert len(blocks[0]) == len(blocks[127]) == 0 and all(len(b) == 1 for b in blocks[1:127])
+    assert [len(b) for b in stage_layers(126, 16, True)] == [7] + [8] * 14 + [7]
+    assert sorted(layer for b in stage_layers(10, 4, True) for layer in b) == list(range(10))
+    layout = Layout(1, 1, 8, 16, microbatches=32, schedule="interleaved_1f1b", virtual_stages=8, embedding_and_loss_as_layers=True)
+    stages = pipeline_stages(layout, 126)
+    assert [len(x) for x in stages.layers] == [7] + [8] * 14 + [7]
+    # Rank 0's embedding-only chunk keeps nothing of a block: fewer blocks in flight than rank 1, which now bounds memory.
+    assert stages.in_flight_layers[1] == (8 - 1) * 16 + 2 * 14 + 1
+    assert stages.in_flight_layers[0] < stages.in_flight_layers[1]
+    assert representative_ranks(16, True) == ([0, 1, 8, 15], [1, 1, 13, 1])
+
+
+@pytest.mark.parametrize("weights", [[0, 1, 1, 1], [2, 1, 1], [1, 1, 0], [3, 3]])
+def test_interleaved_peak_follows_the_schedule(weights):
+    """The peak of the blocks in flight, against a step-by-step run of Megatron's interleaved order (N = p)."""
+    for p, m, r in ((4, 8, 0), (4, 12, 1), (8, 16, 7)):
+        v, total = len(weights), m * len(weights)
+        warmup = min(total, (v - 1) * p + 2 * (p - 1 - r))
+        fwd = [weights[(k // p) % v] for k in range(total)]
+        kept = peak = sum(fwd[:warmup])
+        for j in range(total):
+            kept += fwd[warmup + j] if warmup + j < total else 0
+            peak = max(peak, kept)
+            kept -= weights[v - 1 - (j // p) % v]
+        assert interleaved_peak([float(x) for x in weights], m, p, warmup) == peak

@@ -46,9 +46,16 @@ class StepRichProgressBar(_StepBounded, RichProgressBar):
         return f"{description:{width}}" if width > len(description) else description
 
     def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
-        super().on_train_epoch_start(trainer, pl_module)  # resets the bar to 0 for the epoch
-        if _step_bounded(trainer):
-            self._update(self.train_progress_bar_id, trainer.global_step)
+        reuse = self.progress is not None and self.train_progress_bar_id is not None and not self._leave and not self.is_disabled
+        if not _step_bounded(trainer) or not reuse:
+            super().on_train_epoch_start(trainer, pl_module)  # creates the bar (at 0) or resets it per epoch
+            if _step_bounded(trainer):
+                self._update(self.train_progress_bar_id, trainer.global_step)
+            return
+        # Lightning's reset would draw the bar at 0 before the update below: reset it at the step reached.
+        self.progress.reset(self.train_progress_bar_id, total=self.total_train_batches, completed=trainer.global_step,
+                            description=self._get_train_description(trainer.current_epoch), visible=True)
+        self.refresh()
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         if not _step_bounded(trainer):

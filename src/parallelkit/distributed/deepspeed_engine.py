@@ -62,8 +62,13 @@ def _import_deepspeed(backend: str) -> Any:
     if backend == "gloo":
         # Otherwise DeepSpeed probes for accelerators and warns that it fell back to the CPU.
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import importlib
+
     import deepspeed
-    import deepspeed.comm.torch as ds_torch_comm
+
+    # By module name: ``import deepspeed.comm.torch as m`` binds the attribute ``deepspeed.comm.torch``, which is
+    # the torch package itself (deepspeed.comm's star import), so a patch through it would miss DeepSpeed's module.
+    ds_torch_comm = importlib.import_module("deepspeed.comm.torch")
 
     deepspeed.utils.logger.setLevel(logging.WARNING)  # its INFO lines repeat the config on every rank
     # DeepSpeed's communication backend compiles its shared-memory all-reduce op (deepspeed_shm_comm: gcc, ~50 s

@@ -178,7 +178,7 @@ def pipeline_stages(layout: Layout, num_layers: int, ranks: list[int] | None = N
     ``min(m, pp − r)`` (Narayanan et al. 2021, §2.2.1); interleaved ``min(m·v, (v − 1)·N + 2·(pp − 1 − r) + 1)``
     chunk-micro-batches (``N`` consecutive micro-batches per chunk, ``N = pp`` by default: Megatron's warm-up) of
     ``L_r / v`` layers each — on rank 0 with ``N = pp`` that is Korthikanti et al.'s ``L·(1 + (p − 1)/(p·v))``;
-    chunks of unequal size (``embedding_and_loss_as_layers``) are followed through the schedule's order
+    chunks of unequal size (an uneven split, ``embedding_and_loss_as_layers``) are followed through the schedule's order
     (:func:`interleaved_peak`); zero bubble and ZB-V keep 1F1B's peak (Qi et al. 2023).
     """
     pp, v, m = layout.pp, layout.virtual_stages if layout.pp > 1 else 1, layout.micro_steps
