@@ -161,6 +161,9 @@ def _run_or_explain(cfg: DictConfig) -> None:
             raise
         first_line = str(err).strip().splitlines()[0]
         known = local_launch.failed_peers() + list(getattr(err, "__notes__", []))
+        explained = [code for code in peer_exit_codes(known) if code in SELF_EXPLAINED]
+        if explained:  # that rank printed its own error paragraph (a failed write, ...): this one says nothing more
+            raise SystemExit(explained[0]) from None
         who = f"another rank stopped or timed out: {'; '.join(known)}" if known else "another rank stopped or timed out"
         print(
             f"parallelkit: error: a collective failed because {who} ({first_line}). "
@@ -175,6 +178,17 @@ def _run_or_explain(cfg: DictConfig) -> None:
             local_launch.finish() if finished else local_launch.abort()
             os.environ.clear()  # the next job of a sweep starts with the environment this one found
             os.environ.update(saved_env)
+
+
+# Exit codes of a rank that stopped with its own one-paragraph error: a peer that saw it go leaves with the same.
+SELF_EXPLAINED = (EXIT_CONFIG_ERROR, EXIT_DIVERGED, EXIT_WRITE_FAILED)
+
+
+def peer_exit_codes(known: list[str]) -> list[int]:
+    """The exit codes in :func:`parallelkit.local_launch.failed_peers`' lines (``rank 1 exited with code 5``)."""
+    import re
+
+    return [int(m.group(1)) for m in (re.search(r"exited with code (-?\d+)", line) for line in known) if m]
 
 
 def is_peer_failure(err: BaseException) -> bool:

@@ -8,8 +8,8 @@ times and logger names.
 
 On that console it drops Lightning's start-up chatter that says nothing about this run (:data:`CHATTER`: TPU
 cores, an advertisement, one "Initializing distributed" line per rank, the process-group banner; the
-summary table names the strategy and the process count), and it silences warnings that come from Lightning's
-own code on every rank and that no user setting can address (:data:`LIGHTNING_WARNINGS`).
+summary table names the strategy and the process count), and it silences warnings that come from Lightning's (or torch's)
+own code on every rank and that no user setting can address (:data:`LIBRARY_WARNINGS`).
 """
 
 from __future__ import annotations
@@ -26,10 +26,14 @@ CHATTER = (
     "distributed_backend=",  # the "All distributed processes registered" banner
 )
 
-# (message regex, category, module regex): warnings raised inside Lightning by its own calls, on every rank.
-LIGHTNING_WARNINGS = (
+# (message regex, category, module regex): warnings raised inside Lightning or torch by their own calls, on every rank.
+LIBRARY_WARNINGS = (
     # lightning.pytorch.utilities._pytree builds torch's deprecated LeafSpec (torch 2.13); Lightning's to fix.
     (r"`isinstance\(treespec, LeafSpec\)` is deprecated", FutureWarning, r"lightning\.pytorch\.utilities\._pytree"),
+    # torch.distributed.rpc's start-up gathers over a ProcessGroupGloo it builds itself (rpc/backend_registry.py),
+    # a usage torch deprecates in its own object collectives (strategy=ps: once per rank); torch's to fix.
+    (r"You are using a Backend <class 'torch\.distributed\.distributed_c10d\.ProcessGroupGloo'> as a ProcessGroup",
+     UserWarning, r"torch\.distributed\.distributed_c10d"),
 )
 
 
@@ -51,7 +55,7 @@ def quiet_console() -> None:
     """
     import lightning  # noqa: F401 - its __init__ adds the console handler taken off below: it must have run
 
-    for message, category, module in LIGHTNING_WARNINGS:
+    for message, category, module in LIBRARY_WARNINGS:
         warnings.filterwarnings("ignore", message=message, category=category, module=module)
     root = logging.getLogger()
     if not any(_is_console(h) for h in root.handlers):

@@ -112,8 +112,10 @@ def sparse_embeddings(model: torch.nn.Module) -> list[str]:
 
 
 def make_sparse_gradients_dense(model: torch.nn.Module, factory: Callable[..., torch.optim.Optimizer], model_label: str,
-                               optim_label: str, sparse_on_command_line: bool) -> list[str]:
-    """Make the model's sparse embedding gradients dense when the optimizer cannot take sparse ones.
+                               optim_label: str, sparse_on_command_line: bool, refused: bool = False,
+                               hint: str = "optim=adagrad or optim=sgd update only the rows of each batch") -> list[str]:
+    """Make the model's sparse embedding gradients dense when the optimizer cannot take sparse ones (or, with
+    ``refused``, when what ``optim_label`` names — a strategy — cannot).
 
     Sparse gradients are parallelkit's default for embedding tables (``model=ctr``'s ``sparse: true``): an
     optimization for SGD and Adagrad, which then update only the rows of the batch. AdamW — the default
@@ -123,13 +125,12 @@ def make_sparse_gradients_dense(model: torch.nn.Module, factory: Callable[..., t
     modules made dense.
     """
     names = sparse_embeddings(model)
-    if not names or takes_sparse_gradients(factory):
+    if not names or (not refused and takes_sparse_gradients(factory)):
         return []
     if sparse_on_command_line:
         raise ConfigError(
-            f"{model_label} with model.sparse=true gives sparse gradients to {', '.join(names)}, which {optim_label} cannot take. "
-            "Use optim=adagrad or optim=sgd (sparse updates: only the rows of the batch), or drop model.sparse=true "
-            "(dense gradients: every row updated every step)."
+            f"{model_label} with model.sparse=true gives sparse gradients to {', '.join(names)}, which {optim_label} cannot take: "
+            f"{hint}; or drop model.sparse=true (dense gradients: every row updated every step)."
         )
     for name in names:
         model.get_submodule(name).sparse = False

@@ -28,7 +28,7 @@ from parallelkit.models.plans import parallel_model
 from parallelkit.optim import check_optimizer, check_schedule, make_sparse_gradients_dense
 from parallelkit.run_dir import RunDirPlan, RunFinished
 from parallelkit.run_dir import plan as plan_dir
-from parallelkit.strategies.base import SERVER_TABLES
+from parallelkit.strategies.base import SERVER_TABLES, SPARSE_GRADIENTS
 from parallelkit.strategies.protocol import as_protocol
 
 # Environment variables Lightning's launcher (and parallelkit.distributed.listeners) sets for a job; a sweep's next
@@ -185,16 +185,31 @@ def train_module(model: torch.nn.Module, cfg: DictConfig) -> Any:
     return TrainModule(model, factory, **schedule, step_seed=cfg.seed)
 
 
-def fit_gradients_to_optimizer(module: Any, cfg: DictConfig) -> None:
-    """Sparse embedding gradients become dense when ``optim=`` cannot take them (AdamW: ``model=ctr``), and one
-    line says so; ``model.sparse=true`` set on the command line is an error instead (:mod:`parallelkit.optim`)."""
+def fit_gradients_to_run(module: Any, cfg: DictConfig, strategy: Any, callbacks: list[Any]) -> None:
+    """Sparse embedding gradients become dense when the strategy (ZeRO, DeepSpeed, a DDP comm hook: they take
+    dense tensors or flat buckets) or ``optim=`` (AdamW: ``model=ctr``'s default) cannot take them, and one line
+    says so; ``model.sparse=true`` set on the command line is an error instead (:mod:`parallelkit.optim`)."""
     from lightning.pytorch.utilities import rank_zero_info
 
+    from parallelkit.callbacks.base import ParallelKitCallback
+    from parallelkit.optim import sparse_embeddings
+
     explicit = any(o.lstrip("+").startswith("model.sparse=") and o.split("=", 1)[1].lower() == "true" for o in chosen_on_command_line("model"))
-    dense = make_sparse_gradients_dense(module.model, module.optimizer_factory, _label("model"), _label("optim"), explicit)
+    if getattr(strategy, "supports", lambda _: False)(SPARSE_GRADIENTS):
+        refuser, hint = None, "optim=adagrad or optim=sgd update only the rows of each batch"
+    else:
+        hooks = [type(c).__name__ for c in callbacks if isinstance(c, ParallelKitCallback)]
+        refuser = f"{_label('strategy')}{' with ' + ', '.join(hooks) if hooks else ''}"
+        hint = "strategy=single or strategy=ddp (without a comm hook) with optim=adagrad or optim=sgd update only the rows of each batch"
+    dense = make_sparse_gradients_dense(module.model, module.optimizer_factory, _label("model"), refuser or _label("optim"), explicit,
+                                        refused=refuser is not None, hint=hint)
     if dense:
-        rank_zero_info(f"parallelkit: {_label('optim')} cannot take sparse gradients: {', '.join(dense)} gets dense ones (every row updated "
-                       "every step); optim=adagrad or optim=sgd update only the rows of each batch.")
+        rank_zero_info(f"parallelkit: {refuser or _label('optim')} cannot take sparse gradients: {', '.join(dense)} gets dense ones "
+                       f"(every row updated every step); {hint}.")
+    elif sparse_embeddings(module.model):
+        # torch's optimizers build sparse tensors without checking them, torch's default, and warn on every rank
+        # that nobody chose it: choose it (the same behaviour, said explicitly).
+        torch.sparse.check_sparse_tensor_invariants.disable()
 
 
 def launching_rank_zero() -> bool:
@@ -285,8 +300,6 @@ def _run(cfg: DictConfig) -> dict[str, Any] | None:
     strategy.check_model(model, dims.world_size)
     strategy.check_lightning_module(module)
     strategy.check_workload(model, datamodule)
-    if isinstance(module, TrainModule) and not getattr(strategy, "supports", lambda _: False)(SERVER_TABLES):  # ps: tables on servers
-        fit_gradients_to_optimizer(module, cfg)
 
     if callable(getattr(datamodule, "check_mode", None)):  # e.g. an unlabelled image can be predicted but not trained on
         datamodule.check_mode(cfg.get("mode", "train"))
@@ -306,6 +319,8 @@ def _run(cfg: DictConfig) -> dict[str, Any] | None:
     for callback in callbacks:
         if isinstance(callback, ParallelKitCallback):
             callback.check_strategy(strategy.lightning_strategy, dims)
+    if isinstance(module, TrainModule) and not getattr(strategy, "supports", lambda _: False)(SERVER_TABLES):  # ps: tables on servers
+        fit_gradients_to_run(module, cfg, strategy.lightning_strategy, callbacks)  # after the callbacks claimed comm hooks
     if trainer_cfg.get("enable_progress_bar") is None:  # auto: a bar on a terminal, none in log files
         trainer_cfg["enable_progress_bar"] = sys.stdout.isatty()
     if trainer_cfg["enable_progress_bar"] and not any(isinstance(c, ProgressBar) for c in callbacks):

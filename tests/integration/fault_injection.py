@@ -172,6 +172,35 @@ class FailWrite(Callback):
         dcp.save = save
         dcp_files._write_item = write_item
         run_dir.write_atomically = write_atomically
+        if trainer.strategy.strategy_name == "deepspeed":
+            self._fail_deepspeed(full)
+
+    def _fail_deepspeed(self, full) -> None:
+        """DeepSpeed writes each rank's files with its checkpoint engine's ``save`` (torch.save) inside
+        ``DeepSpeedEngine.save_checkpoint``: the nth of those calls fails on the first file this rank writes."""
+        from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+        from deepspeed.runtime.engine import DeepSpeedEngine
+
+        callback, failing = self, {"now": False}
+        real_checkpoint, real_file = DeepSpeedEngine.save_checkpoint, TorchCheckpointEngine.save
+
+        def save_checkpoint(engine, *args, **kwargs):
+            callback.writes += 1
+            failing["now"] = callback.writes == callback.nth
+            try:
+                return real_checkpoint(engine, *args, **kwargs)
+            finally:
+                failing["now"] = False
+
+        def save_file(engine, state_dict, path):
+            if failing["now"]:
+                with open(path, "wb") as file:
+                    file.write(b"part of a DeepSpeed file")
+                raise full(path)
+            return real_file(engine, state_dict, path)
+
+        DeepSpeedEngine.save_checkpoint = save_checkpoint
+        TorchCheckpointEngine.save = save_file
 
 
 class StepStamp(Callback):

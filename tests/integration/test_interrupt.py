@@ -132,7 +132,8 @@ def test_sigterm_during_validation_ends_cleanly_and_resumes_exactly(straight, tm
     assert_same_run(resumed, run_dir, reference, reference_dir)
 
 
-@pytest.mark.parametrize("strategy,rank", [(["strategy=ddp"], 0), (["strategy=zero", "strategy.stage=3"], 1)], ids=["file", "sharded"])
+@pytest.mark.parametrize("strategy,rank", [(["strategy=ddp"], 0), (["strategy=zero", "strategy.stage=3"], 1),
+                                           (["strategy=deepspeed", "strategy.stage=2"], 1)], ids=["file", "sharded", "deepspeed"])
 def test_full_disk_during_a_checkpoint_stops_clearly_and_keeps_the_previous_one(strategy, rank, tmp_path):
     # Checkpoints every 5 steps, each written as last.ckpt, then epoch=0-step=N.ckpt: the 3rd write is last.ckpt
     # at step 10. It fails with ENOSPC half-way (rank 0's file, or rank 1's shard of the sharded checkpoint).

@@ -154,3 +154,24 @@ def test_adamw_with_the_ctr_model_trains_with_dense_table_gradients(tmp_path):
     # Negative control: an optimizer that takes sparse gradients keeps them, and says nothing.
     sgd = train([*adamw, "optim=sgd", "optim.optimizer.momentum=0", f"hydra.run.dir={tmp_path / 'sgd'}"], cwd=tmp_path)
     assert sgd.returncode == 0 and "cannot take sparse gradients" not in sgd.stdout + sgd.stderr, sgd.stderr[-3000:]
+
+
+@pytest.mark.parametrize("strategy,exact", [
+    (["strategy=zero", "strategy.stage=1"], True), (["strategy=zero", "strategy.stage=3"], True),
+    (["strategy=deepspeed", "strategy.stage=1"], True), (["strategy=ddp_fp16"], False), (["callbacks=[dgc]"], False),
+], ids=["zero1", "zero3", "deepspeed1", "ddp_fp16", "dgc"])
+def test_strategies_that_take_dense_gradients_train_the_ctr_model(strategy, exact, tmp_path):
+    """ZeRO's flat buckets, FSDP2, DeepSpeed and DDP comm hooks take dense gradients only: the table's become dense,
+    one line says so, and an exact strategy is the one-process run with model.sparse=false. The negative control,
+    DDP without a hook, averages the sparse gradients as they are and says nothing."""
+    args = [*CTR, "trainer.max_steps=8", "trainer.devices=2", *strategy]
+    proc = train([*args, f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    said = [line for line in (proc.stdout + proc.stderr).splitlines() if "cannot take sparse gradients" in line]
+    assert len(said) == 1 and "embedding gets dense ones" in said[0], said
+    run = json.loads((tmp_path / "run" / "summary.json").read_text())
+    if exact:
+        dense = run_ok([*CTR, "trainer.max_steps=8", "strategy=single", "model.sparse=false"], tmp_path / "dense")
+        assert max_rel_diff(run["train_loss"], dense["train_loss"]) <= 1e-5
+    ddp = train([*CTR, "trainer.max_steps=8", "trainer.devices=2", "strategy=ddp", f"hydra.run.dir={tmp_path / 'ddp'}"], cwd=tmp_path)
+    assert ddp.returncode == 0 and "cannot take sparse gradients" not in ddp.stdout + ddp.stderr, ddp.stderr[-3000:]

@@ -102,6 +102,21 @@ def test_offload_matches_single_process(single, stage, offload, tmp_path):
         assert run["model_state_bytes"]["params"] == pytest.approx(4 * run["num_params"] * 1.5, rel=0.01)
 
 
+@pytest.mark.parametrize("stage", [1, 2])
+def test_an_optimizer_with_state_from_construction_is_sharded(stage, tmp_path):
+    """Adagrad builds its accumulators when it is constructed (AdamW at its first step): ZeRO 1-2 lays them out on
+    the shards like the parameters, reproduces one process, and resumes from its own checkpoint exactly."""
+    adagrad = [*ZTINY, "optim=adagrad"]
+    single = run_ok([*adagrad, "strategy=single"], tmp_path / "single")
+    zero = run_ok([*adagrad, "strategy=zero", f"strategy.stage={stage}", "trainer.devices=2"], tmp_path / "zero")
+    assert max_rel_diff(zero["train_loss"], single["train_loss"]) <= REL_TOL
+    # Adagrad's accumulator (one fp32 value per parameter) is split in two, as AdamW's moments are.
+    assert zero["model_state_bytes"]["optimizer"] == pytest.approx(4 * zero["num_params"] / 2, rel=0.01)
+    step10 = tmp_path / "zero" / "checkpoints" / "epoch=0-step=10.ckpt"
+    resumed = run_ok([*adagrad, "strategy=zero", f"strategy.stage={stage}", "trainer.devices=2", f"ckpt_path='{step10}'"], tmp_path / "resumed")
+    assert max_rel_diff(resumed["train_loss"][10:], zero["train_loss"][10:]) <= REL_TOL
+
+
 def test_sharded_checkpoint_resumes_at_other_world_sizes(stage2_run, tmp_path):
     # 4 → 2: stage 3 saves a sharded checkpoint at step 10 on 4 ranks; 2 ranks resume and match.
     four = run_ok([*ZTINY, "strategy=zero", "strategy.stage=3", "trainer.devices=4"], tmp_path / "four")

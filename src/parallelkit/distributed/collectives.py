@@ -25,6 +25,15 @@ all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_
 reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+def gather_stacked(tensor: torch.Tensor, group: Any = None) -> torch.Tensor:
+    """Every rank's ``tensor`` of ``group``, stacked (ranks first), no gradient: Lightning's ``all_gather`` without
+    ``torch.distributed.nn.functional.all_gather`` (autograd-aware, deprecated in torch 2.13: a warning per rank)."""
+    tensor = tensor.contiguous()
+    out = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(out, tensor, group=group)
+    return torch.stack(out)
+
+
 def _group_size(group: Any) -> int:
     return dist.get_world_size(group)
 

@@ -76,6 +76,11 @@ def _import_deepspeed(backend: str) -> Any:
     # inference_all_reduce only (DeepSpeed's inference tensor parallelism), which training never calls and
     # which falls back to torch.distributed.all_reduce without it: start without building it.
     ds_torch_comm.build_shm_op = _no_shm_op
+    # DeepSpeed gathers and reduce-scatters through torch's all_gather_into_tensor / reduce_scatter_tensor, which
+    # torch 2.13 deprecates (a FutureWarning on every rank): the same collectives under their new names.
+    if hasattr(dist, "all_gather_single") and hasattr(dist, "reduce_scatter_single"):
+        ds_torch_comm.TorchBackend.get_all_gather_function = classmethod(lambda cls: dist.all_gather_single)
+        ds_torch_comm.TorchBackend.get_reduce_scatter_function = classmethod(lambda cls: dist.reduce_scatter_single)
     return deepspeed
 
 

@@ -49,6 +49,27 @@ class _Bucket:
         return self.flat_grad[o : o + p.numel()].view_as(p)
 
 
+def _has_stepped(state: dict[str, Any]) -> bool:
+    step = state.get("step", 0)
+    return float(step) > 0
+
+
+def _shard_state(bucket: _Bucket, states: list[dict[str, Any]]) -> dict[str, Any]:
+    """One bucket's initial optimizer state on its shard: each per-parameter tensor flattened into the bucket's
+    layout and sliced to the owned part (the padding zero, as the padded gradient is); other entries as the first
+    parameter has them."""
+    shard: dict[str, Any] = {}
+    for key, first in states[0].items():
+        if isinstance(first, torch.Tensor) and first.shape == bucket.params[0].shape:
+            flat = torch.zeros(bucket.flat_param.numel(), dtype=first.dtype, device=first.device)
+            for p, o, state in zip(bucket.params, bucket.offsets, states):
+                flat[o : o + p.numel()].copy_(state[key].reshape(-1))
+            shard[key] = flat[bucket.own].to(bucket.shard_param.device, copy=True)
+        else:
+            shard[key] = first.clone() if isinstance(first, torch.Tensor) else first
+    return shard
+
+
 class ZeroOptimizer:
     """Shard ``optimizer``'s state (stage 1) and the gradients (stage 2) over ``shard_group``.
 
@@ -83,8 +104,11 @@ class ZeroOptimizer:
     ) -> None:
         if stage not in (1, 2):
             raise ValueError(f"ZeroOptimizer handles stages 1 and 2, got {stage}")
-        if optimizer.state:
+        if any(_has_stepped(state) for state in optimizer.state.values()):
             raise ValueError("ZeroOptimizer must wrap an optimizer before its first step")
+        # State an optimizer builds when it is constructed (Adagrad's accumulators) is laid out on the shards
+        # below, as the parameters are.
+        initial_state = {p: optimizer.state.pop(p) for p in list(optimizer.state)}
         self.optimizer = optimizer
         self.stage = stage
         self.shard_group = shard_group
@@ -100,6 +124,9 @@ class ZeroOptimizer:
             buckets = [self._make_bucket(chunk, names) for chunk in _chunks(group["params"], bucket_mb * 2**20)]
             group["params"] = [b.shard_param for b in buckets]
             self.buckets.append(buckets)
+            for bucket in buckets:
+                if bucket.params[0] in initial_state:
+                    optimizer.state[bucket.shard_param] = _shard_state(bucket, [initial_state[p] for p in bucket.params])
         self._all = [b for buckets in self.buckets for b in buckets]
         # Stage 2: buckets are reduced in a fixed order (last first, as backward completes them), the same on
         # every rank. ``_next`` is the next bucket to reduce; -1 = no backward in progress.

@@ -102,6 +102,8 @@ def _worker(rank: int, world: int, store_dir: str, shapes: list[tuple[int, int, 
     import torch
     import torch.distributed as dist
 
+    from parallelkit.distributed.collectives import all_gather_single, reduce_scatter_single  # torch's current names
+
     # The threads a training rank gets: Lightning's launchers set max(1, CPUs // processes) unless OMP_NUM_THREADS
     # says otherwise (lightning.fabric.utilities.distributed._set_num_threads_if_needed).
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or max(1, (os.cpu_count() or 1) // world)))
@@ -156,8 +158,8 @@ def _worker(rank: int, world: int, store_dir: str, shapes: list[tuple[int, int, 
             x = torch.randn(n)
             ops = {
                 "all_reduce": lambda: dist.all_reduce(x, group=group),
-                "all_gather": lambda: dist.all_gather_into_tensor(torch.empty(n), x[: n // g].contiguous(), group=group),
-                "reduce_scatter": lambda: dist.reduce_scatter_tensor(torch.empty(n // g), x, group=group),
+                "all_gather": lambda: all_gather_single(torch.empty(n), x[: n // g].contiguous(), group=group),
+                "reduce_scatter": lambda: reduce_scatter_single(torch.empty(n // g), x, group=group),
                 "all_to_all": lambda: dist.all_to_all_single(torch.empty(n), x, group=group),
             }
             for op, fn in ops.items():

@@ -7,7 +7,9 @@ and returns :class:`ParallelDims`), and builds its mesh once the process group e
 
 from __future__ import annotations
 
-from typing import Any
+import shutil
+from pathlib import Path
+from typing import Any, Callable
 
 import torch
 
@@ -27,6 +29,8 @@ REPLICATED_PARAMS = "replicated_params"
 LIGHTNING_BACKWARD = "lightning_backward"
 #: the model's embedding tables are held and updated by server ranks, not by the module's optimizer.
 SERVER_TABLES = "server_tables"
+#: sparse gradients (``nn.Embedding(sparse=True)``) are averaged as they are (only the rows of the batch).
+SPARSE_GRADIENTS = "sparse_gradients"
 
 
 class ParallelKitStrategyMixin(StrategyProtocol):
@@ -35,6 +39,38 @@ class ParallelKitStrategyMixin(StrategyProtocol):
 
     #: the name used by ``strategy=NAME`` and written to ``summary.json``.
     strategy_name: str = "?"
+
+    def save_directory_atomically(self, filepath: Any, write: Callable[[Path], None]) -> None:
+        """Write a checkpoint directory (shards of every rank) under a temporary name, then swap it in.
+
+        A failed write (a full disk) or a process killed while writing leaves the previous checkpoint of that
+        name intact: ``write(NAME.tmp)`` runs on every rank, and only after a barrier does rank 0 rename
+        ``NAME.tmp`` to ``NAME`` (the old one moved aside first, removed after). A partial ``NAME.tmp`` is
+        removed, by rank 0, when the write fails there or before the next write.
+        """
+        final = Path(self.broadcast(str(filepath)))
+        tmp = final.with_name(final.name + ".tmp")
+        if self.is_global_zero and tmp.exists():
+            shutil.rmtree(tmp)  # a previous writer died here
+        self.barrier()
+        try:
+            write(tmp)
+        except BaseException:
+            if self.is_global_zero:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        self.barrier()
+        if self.is_global_zero:
+            old = final.with_name(final.name + ".old")
+            if final.exists():
+                shutil.rmtree(old, ignore_errors=True)
+                final.rename(old) if final.is_dir() else final.replace(old)
+            tmp.rename(final)
+            if old.is_dir():
+                shutil.rmtree(old)
+            elif old.exists():
+                old.unlink()
+        self.barrier()
     #: the largest world the strategy can use (None: any).
     max_world_size: int | None = None
     #: what callbacks may rely on (see the capability constants above).
@@ -156,6 +192,16 @@ class ParallelKitStrategyMixin(StrategyProtocol):
             # Validation passes of this run, rank 0 (not in comm.bytes_sent_per_step: that is a training step's).
             "comm_validation": {"bytes_sent": validation["bytes"], "collectives": validation["collectives"], "by_kind": validation["by_kind"]},
         }
+
+    def all_gather(self, tensor: Any, group: Any = None, sync_grads: bool = False) -> Any:
+        """Lightning's ``all_gather`` (stacked over ranks); without gradients through :func:`gather_stacked`."""
+        import torch.distributed as dist
+
+        from parallelkit.distributed.collectives import gather_stacked
+
+        if sync_grads or not isinstance(tensor, torch.Tensor) or not (dist.is_available() and dist.is_initialized()):
+            return super().all_gather(tensor, group, sync_grads)
+        return gather_stacked(tensor, group)
 
     def model_state_bytes(self) -> dict[str, int]:
         """Bytes of parameters, gradients and optimizer state that this rank holds right now."""

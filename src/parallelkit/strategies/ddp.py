@@ -15,7 +15,7 @@ from parallelkit.distributed.elastic import init_process_group_for_attempt
 from parallelkit.distributed.parallel_dims import DP, ParallelDims
 from parallelkit.errors import ConfigError
 from parallelkit.launcher import HydraJobLauncher
-from parallelkit.strategies.base import DDP_COMM_HOOK, LIGHTNING_BACKWARD, REPLICATED_PARAMS, ParallelKitStrategyMixin
+from parallelkit.strategies.base import DDP_COMM_HOOK, LIGHTNING_BACKWARD, REPLICATED_PARAMS, SPARSE_GRADIENTS, ParallelKitStrategyMixin
 
 DEFAULT_TIMEOUT_S = 180.0
 
@@ -92,6 +92,11 @@ class DDPStrategy(ParallelKitStrategyMixin, LightningDDPStrategy):
         return ParallelDims.from_degrees(world_size, dp=self._dp)
 
     # ---------------------------------------------------------------- comm hooks chosen by callbacks
+    def supports(self, capability: str) -> bool:
+        if capability == SPARSE_GRADIENTS:  # DDP all-reduces sparse gradients itself; a comm hook gets dense buckets
+            return self._comm_hook_owner is None
+        return super().supports(capability)
+
     def reserve_comm_hook(self, owner: str) -> None:
         """Claim the (single) DDP comm hook for ``owner``; raises :class:`ConfigError` if someone else has it.
 

@@ -214,8 +214,11 @@ class DeepSpeedStrategy(ParallelKitStrategyMixin, LightningDDPStrategy):
         from parallelkit.distributed.deepspeed_engine import deepspeed_comm_paused
 
         client_state = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
-        with deepspeed_comm_paused():
-            self.engine.save_checkpoint(str(filepath), tag=CHECKPOINT_TAG, client_state=client_state, save_latest=False)
+        def write(tmp: Path) -> None:
+            with deepspeed_comm_paused():
+                self.engine.save_checkpoint(str(tmp), tag=CHECKPOINT_TAG, client_state=client_state, save_latest=False)
+
+        self.save_directory_atomically(filepath, write)  # a full disk leaves the previous checkpoint whole
 
     def check_checkpoint(self, checkpoint_path: Any, expected_shapes: Mapping[str, Any] | None = None) -> None:
         """Before any process starts (``parallelkit.run``): ``checkpoint_path`` is a DeepSpeed checkpoint

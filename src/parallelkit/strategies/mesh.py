@@ -16,7 +16,6 @@ redirection), so that the hooks FSDP2 puts around a root module's forward also f
 
 from __future__ import annotations
 
-import shutil
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable
@@ -180,40 +179,11 @@ class MeshStrategy(ParallelKitStrategyMixin, ModelParallelStrategy):
 
     # ---------------------------------------------------------------- atomic sharded checkpoints
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
-        """Write the checkpoint directory under a temporary name, then swap it in.
-
-        A process killed while writing leaves the previous checkpoint of that name intact: every rank writes
-        its shard into ``NAME.tmp/``, rank 0 writes ``meta.pt`` last (the completion marker loaders look
-        for), and only after a barrier does rank 0 rename ``NAME.tmp`` to ``NAME`` (the old one is moved
-        aside first and removed after).
-        """
+        """A sharded checkpoint directory: every rank writes its shard, rank 0 ``meta.pt`` last (the completion
+        marker loaders look for), all under a temporary name swapped in whole (:meth:`save_directory_atomically`)."""
         if not self._save_distributed_checkpoint:
             return super().save_checkpoint(checkpoint, filepath, storage_options)
-        final = Path(self.broadcast(str(filepath)))
-        tmp = final.with_name(final.name + ".tmp")
-        if self.is_global_zero and tmp.exists():
-            shutil.rmtree(tmp)  # a previous writer died here
-        self.barrier()
-        try:
-            super().save_checkpoint(checkpoint, tmp, storage_options)  # shards, then meta.pt from rank 0
-        except BaseException:
-            # A failed write (a full disk: torch.distributed.checkpoint raises on every rank once all have
-            # written) leaves the previous checkpoint; the partial one goes, freeing what it took.
-            if self.is_global_zero:
-                shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        self.barrier()
-        if self.is_global_zero:
-            old = final.with_name(final.name + ".old")
-            if final.exists():
-                shutil.rmtree(old, ignore_errors=True)
-                final.rename(old) if final.is_dir() else final.replace(old)
-            tmp.rename(final)
-            if old.is_dir():
-                shutil.rmtree(old)
-            elif old.exists():
-                old.unlink()
-        self.barrier()
+        self.save_directory_atomically(filepath, lambda tmp: super(MeshStrategy, self).save_checkpoint(checkpoint, tmp, storage_options))
 
     def param_groups_key(self) -> str:
         """The checkpoint key of this rank's optimizer ``param_groups``.

@@ -31,6 +31,7 @@ from lightning.fabric.utilities.distributed import _all_gather_ddp_if_available,
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.strategies import DDPStrategy as LightningDDPStrategy
 
+from parallelkit.distributed.collectives import gather_stacked
 from parallelkit.distributed.elastic import init_process_group_for_attempt
 from parallelkit.errors import ConfigError
 from parallelkit.models.plans import model_plans, parallel_model
@@ -327,7 +328,9 @@ class ParameterServerStrategy(DDPStrategy):
             return super().all_gather(tensor, group, sync_grads)
         if self.is_server:
             return tensor.unsqueeze(0)
-        return _all_gather_ddp_if_available(tensor, group=group or self._worker_group, sync_grads=sync_grads)
+        if sync_grads:
+            return _all_gather_ddp_if_available(tensor, group=group or self._worker_group, sync_grads=True)
+        return gather_stacked(tensor, group or self._worker_group)
 
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
         if self._worker_group is None or self.is_server:

@@ -9,7 +9,7 @@ from lightning.pytorch.strategies import SingleDeviceStrategy
 
 from parallelkit.distributed.checkpoint_io import is_sharded_checkpoint, load_into_single_process
 from parallelkit.distributed.parallel_dims import ParallelDims
-from parallelkit.strategies.base import LIGHTNING_BACKWARD, REPLICATED_PARAMS, ParallelKitStrategyMixin
+from parallelkit.strategies.base import LIGHTNING_BACKWARD, REPLICATED_PARAMS, SPARSE_GRADIENTS, ParallelKitStrategyMixin
 
 
 class SingleStrategy(ParallelKitStrategyMixin, SingleDeviceStrategy):
@@ -25,7 +25,7 @@ class SingleStrategy(ParallelKitStrategyMixin, SingleDeviceStrategy):
 
     strategy_name = "single"
     max_world_size = 1
-    capabilities = frozenset({REPLICATED_PARAMS, LIGHTNING_BACKWARD})
+    capabilities = frozenset({REPLICATED_PARAMS, LIGHTNING_BACKWARD, SPARSE_GRADIENTS})
 
     def __init__(self, device: str | None = None) -> None:
         super().__init__(device=device or "cpu")

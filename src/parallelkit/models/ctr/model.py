@@ -81,7 +81,9 @@ class CTRModel(nn.Module):
             x = layer(x)
             if i < len(self.mlp) - 1:
                 x = F.relu(x)
-        return x.squeeze(1)
+        # (batch, 1) → (batch,) as a new tensor, not a view (squeeze): FSDP2 warns once per rank about a sharded
+        # module returning a view (an in-place op on it would skip its backward hook). A sum over one element is exact.
+        return x.sum(dim=1)
 
     @staticmethod
     def loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
