@@ -24,6 +24,7 @@ from typing import Any
 from lightning.fabric.loggers.logger import rank_zero_experiment
 from lightning.pytorch.loggers import CSVLogger as LightningCSVLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
+from typing_extensions import override
 
 from parallelkit.run_dir import write_atomically
 
@@ -41,9 +42,11 @@ class AppendingExperimentWriter(ExperimentWriter):
                     file.write(b"\n")  # the end of a row a killed writer left unfinished
             self.metrics_keys = next(csv.reader([header])) if header else []
 
+    @override
     def _check_log_dir_exists(self) -> None:
         """Lightning warns here and deletes ``metrics.csv``; its rows are this run directory's history."""
 
+    @override
     def _record_new_keys(self) -> set[str]:
         # Lightning sorts the header again on every save; an existing file's column order must stay as it is
         # unless the file is rewritten anyway for a new column.
@@ -52,6 +55,7 @@ class AppendingExperimentWriter(ExperimentWriter):
             self.metrics_keys = sorted(set(self.metrics_keys) | new_keys)
         return new_keys
 
+    @override
     def save(self) -> None:
         if not self.metrics:
             return
@@ -68,6 +72,7 @@ class AppendingExperimentWriter(ExperimentWriter):
             file.write(text.getvalue())
         self.metrics = []
 
+    @override
     def _rewrite_with_new_header(self, fieldnames: list[str]) -> None:
         with open(self.metrics_file_path, newline="") as file:
             rows = list(csv.DictReader(file))
@@ -92,6 +97,7 @@ class CSVLogger(LightningCSVLogger):
     """
 
     @property
+    @override
     @rank_zero_experiment
     def experiment(self) -> AppendingExperimentWriter:
         if self._experiment is None:

@@ -13,6 +13,7 @@ import os
 import subprocess
 
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from typing_extensions import override
 
 from parallelkit.local_launch import hydra_job_command
 
@@ -20,6 +21,7 @@ from parallelkit.local_launch import hydra_job_command
 class HydraJobLauncher(_SubprocessScriptLauncher):
     """Lightning's script launcher with a multirun-safe command (see the module docstring)."""
 
+    @override
     def _call_children_scripts(self) -> None:
         from hydra.core.hydra_config import HydraConfig
 

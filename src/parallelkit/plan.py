@@ -270,7 +270,7 @@ def block_names(model: torch.nn.Module) -> list[str]:
 def build_plan(overrides: list[str]) -> Plan:
     from hydra.utils import instantiate
 
-    from parallelkit.strategies.protocol import as_protocol
+    from parallelkit.strategy_protocol import as_protocol
 
     cfg = compose_config(overrides)
     strategy = as_protocol(instantiate(cfg.strategy))

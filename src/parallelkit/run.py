@@ -19,6 +19,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from parallelkit import local_launch, startup_gc
+from parallelkit.capabilities import SERVER_TABLES, SPARSE_GRADIENTS
 from parallelkit.distributed.compile import apply_compile
 from parallelkit.distributed.elastic import restart_count
 from parallelkit.distributed.recompute import apply_recompute
@@ -28,8 +29,7 @@ from parallelkit.models.plans import parallel_model
 from parallelkit.optim import check_optimizer, check_schedule, make_sparse_gradients_dense
 from parallelkit.run_dir import RunDirPlan, RunFinished
 from parallelkit.run_dir import plan as plan_dir
-from parallelkit.strategies.base import SERVER_TABLES, SPARSE_GRADIENTS
-from parallelkit.strategies.protocol import as_protocol
+from parallelkit.strategy_protocol import as_protocol
 
 # Environment variables Lightning's launcher (and parallelkit.distributed.listeners) sets for a job; a sweep's next
 # job must start without them.
@@ -262,7 +262,7 @@ def _run(cfg: DictConfig) -> dict[str, Any] | None:
     dir_plan = plan_run_dir(cfg, out, trainer_cfg.get("max_steps", -1)) if cfg.get("mode", "train") == "train" else None
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
 
-    # The strategy protocol (parallelkit.strategies.protocol), step by step; a Lightning strategy that is not
+    # The strategy protocol (parallelkit.strategy_protocol), step by step; a Lightning strategy that is not
     # parallelkit's takes part with steps that do nothing.
     strategy = as_protocol(build(cfg.strategy, "strategy"))
     accelerator = resolve_accelerator(trainer_cfg.pop("accelerator", "auto"))

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import IO, Any, Callable
 
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+from typing_extensions import override
 
 from parallelkit.errors import ConfigError
 
@@ -273,6 +274,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         strategy.checkpoint_io = AtomicCheckpointIO()
     """
 
+    @override
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
         import torch
 

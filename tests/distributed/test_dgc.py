@@ -401,7 +401,7 @@ def test_callback_refuses_strategies_without_a_ddp_comm_hook():
     from parallelkit.callbacks.dgc import DeepGradientCompression
     from parallelkit.errors import ConfigError
     from parallelkit.strategies import DDPStrategy, SingleStrategy
-    from parallelkit.strategies.base import LIGHTNING_BACKWARD, REPLICATED_PARAMS
+    from parallelkit.capabilities import LIGHTNING_BACKWARD, REPLICATED_PARAMS
 
     class NoHookStrategy:  # a strategy decided by its capabilities, whatever its class
         strategy_name = "pp"

@@ -236,7 +236,7 @@ def test_callback_needs_a_hook_and_replicas_and_shares_the_hook_with_nobody():
     from parallelkit.callbacks.local_sgd import LocalSGDCallback
     from parallelkit.errors import ConfigError
     from parallelkit.strategies import DDPStrategy, SingleStrategy
-    from parallelkit.strategies.base import DDP_COMM_HOOK, LIGHTNING_BACKWARD
+    from parallelkit.capabilities import DDP_COMM_HOOK, LIGHTNING_BACKWARD
 
     class ShardedStrategy:  # e.g. ZeRO-3: a hook would not help, parameters are not replicated
         strategy_name = "zero"

@@ -298,6 +298,16 @@ def test_primary_config_builds_everything(compose_train, tmp_path):
     assert cfg.hydra.run.dir == "outputs/default"
 
 
+def test_strategy_timeouts_are_the_one_default():
+    # YAML cannot import DEFAULT_TIMEOUT_S; the files repeat it so that strategy.timeout_s is a key to set.
+    from parallelkit.distributed.elastic import DEFAULT_TIMEOUT_S
+
+    timeouts = {p.name: OmegaConf.load(p).get("timeout_s") for p in (CONF_DIR / "strategy").glob("*.yaml")}
+    timeouts = {name: t for name, t in timeouts.items() if t is not None}
+    assert len(timeouts) >= 5, timeouts  # the files do set it (a rename of the key would pass silently otherwise)
+    assert {name: t for name, t in timeouts.items() if t != DEFAULT_TIMEOUT_S} == {}
+
+
 @pytest.mark.parametrize("group", ["strategy", "model", "data", "optim", "trainer"])
 def test_unknown_option_is_a_hydra_error_listing_the_options(group, compose_train):
     with pytest.raises(ConfigCompositionException) as err:

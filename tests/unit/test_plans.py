@@ -1,5 +1,5 @@
 """Where plans come from (``parallelkit.models.plans``), which modules are units (``distributed.blocks``), the
-strategy protocol's defaults (``strategies.protocol``) and the model contract (``models.contract``): no
+strategy protocol's defaults (``strategy_protocol``) and the model contract (``models.contract``): no
 process group needed."""
 
 from __future__ import annotations
@@ -177,7 +177,7 @@ def test_a_strategy_that_is_not_parallelkits_takes_part_with_steps_that_do_nothi
     from lightning.pytorch.strategies import DDPStrategy as LightningDDP
 
     from parallelkit.strategies import DDPStrategy
-    from parallelkit.strategies.protocol import ForeignStrategy, as_protocol
+    from parallelkit.strategy_protocol import ForeignStrategy, as_protocol
 
     ours = DDPStrategy()
     assert as_protocol(ours) is ours and ours.lightning_strategy is ours

@@ -18,14 +18,15 @@ from typing import Any, Callable, Generator
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.plugins.precision import Precision
+from typing_extensions import override
 
 from parallelkit.callbacks.base import ParallelKitCallback
 from parallelkit.callbacks.run_summary import log_step_metrics
+from parallelkit.capabilities import LIGHTNING_BACKWARD, require_capabilities
 from parallelkit.distributed.loss_scaling import DynamicLossScaler
 from parallelkit.distributed.precision_lists import apply_precision_lists
 from parallelkit.errors import ConfigError
 from parallelkit.models.plans import parallel_model
-from parallelkit.strategies.base import LIGHTNING_BACKWARD, require_capabilities
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -38,16 +39,19 @@ class AmpPrecision(Precision):
         self.dtype = dtype
         self.scaler = scaler
 
+    @override
     @contextmanager
     def forward_context(self) -> Generator[None, None, None]:
         with torch.autocast(self.device_type, dtype=self.dtype, cache_enabled=False):
             yield
 
+    @override
     def pre_backward(self, tensor: torch.Tensor, module: Any) -> torch.Tensor:
         if self.scaler is not None:
             tensor = tensor * self.scaler.scale
         return super().pre_backward(tensor, module)
 
+    @override
     def optimizer_step(self, optimizer: Any, model: Any, closure: Callable[[], Any], **kwargs: Any) -> Any:
         if self.scaler is None:
             return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
@@ -61,9 +65,11 @@ class AmpPrecision(Precision):
         self.scaler.update()
         return step_output if finite else closure_result
 
+    @override
     def state_dict(self) -> dict[str, Any]:
         return self.scaler.state_dict() if self.scaler is not None else {}
 
+    @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if self.scaler is not None and state_dict:
             self.scaler.load_state_dict(state_dict)
@@ -120,6 +126,7 @@ class AMP(ParallelKitCallback):
         # fp16 skips steps whose loss or gradients overflow, on purpose: not a divergence (see RunSummary).
         self.skips_nonfinite_steps = dtype == "fp16"
 
+    @override
     def check_strategy(self, strategy: Any, dims: Any = None) -> None:
         """Refuse, before any process starts, a strategy that runs backward itself (pipeline, DeepSpeed)."""
         require_capabilities(
@@ -129,6 +136,7 @@ class AMP(ParallelKitCallback):
             instead="strategy=single, ddp, zero or tp",
         )
 
+    @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         strategy = trainer.strategy
         self.check_strategy(strategy)
@@ -138,9 +146,11 @@ class AMP(ParallelKitCallback):
         self.pinned = apply_precision_lists(parallel_model(pl_module), device_type, DTYPES[self.dtype], self.white, self.black)
         strategy.precision_plugin = AmpPrecision(device_type, DTYPES[self.dtype], self.scaler)
 
+    @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._seen_step = trainer.global_step
 
+    @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
         # One metrics.csv row per optimizer step (not per micro-batch): the scale the step used, after update.
         if self.scaler is not None and trainer.global_step != self._seen_step:

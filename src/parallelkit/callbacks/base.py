@@ -18,9 +18,10 @@ from lightning.pytorch.callbacks import Callback
 class ParallelKitCallback(Callback):
     """A Lightning ``Callback`` that checks the strategy it will run with before any process starts.
 
-    Example::
+    Example (the capabilities are in :mod:`parallelkit.capabilities`)::
 
         class NeedsDDP(ParallelKitCallback):
+            @override
             def check_strategy(self, strategy, dims=None):
                 require_capabilities(strategy, "callbacks=[needs_ddp]", {DDP_COMM_HOOK: "it installs a comm hook"})
     """

@@ -6,12 +6,13 @@ from typing import Any, Sequence
 
 import lightning.pytorch as pl
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from typing_extensions import override
 
 from parallelkit.callbacks.base import ParallelKitCallback
 from parallelkit.callbacks.run_summary import log_step_metrics
+from parallelkit.capabilities import DDP_COMM_HOOK, require_capabilities
 from parallelkit.distributed.dgc import DEFAULT_SPARSITY, DGCState, dgc_hook
 from parallelkit.errors import ConfigError
-from parallelkit.strategies.base import DDP_COMM_HOOK, require_capabilities
 
 OWNER = "callbacks=[dgc]"
 
@@ -86,11 +87,13 @@ class DeepGradientCompression(ParallelKitCallback):
         self._seen_step = -1
 
     # ---------------------------------------------------------------- setup
+    @override
     def check_strategy(self, strategy: Any, dims: Any = None) -> None:
         """Before any process starts: the strategy must average gradients through a DDP comm hook."""
         require_capabilities(strategy, OWNER, {DDP_COMM_HOOK: "it replaces the gradient all-reduce with a DDP comm hook"})
         strategy.reserve_comm_hook(OWNER)
 
+    @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         strategy = trainer.strategy
         self.check_strategy(strategy)
@@ -108,6 +111,7 @@ class DeepGradientCompression(ParallelKitCallback):
         )
         strategy.use_comm_hook(dgc_hook, self.state, OWNER)
 
+    @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         momentum = self._take_over_momentum(trainer)
         self.state.momentum = momentum
@@ -173,9 +177,11 @@ class DeepGradientCompression(ParallelKitCallback):
         return momentum
 
     # ---------------------------------------------------------------- per step
+    @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
         self.state.begin_step(trainer.global_step)
 
+    @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
         step = trainer.global_step - 1
         if step == self._seen_step or step < 0:
@@ -210,9 +216,11 @@ class DeepGradientCompression(ParallelKitCallback):
             "local_clip_norm": self.local_clip_norm,
         }}
 
+    @override
     def state_dict(self) -> dict[str, Any]:
         # The residuals are not saved: a resumed run starts them from zero (they are at most a few steps' worth).
         return {"optimizer_momentum": self._optimizer_momentum}
 
+    @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._optimizer_momentum = state_dict.get("optimizer_momentum")

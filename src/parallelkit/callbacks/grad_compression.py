@@ -5,12 +5,13 @@ from __future__ import annotations
 from typing import Any
 
 import lightning.pytorch as pl
+from typing_extensions import override
 
 from parallelkit.callbacks.base import ParallelKitCallback
 from parallelkit.callbacks.run_summary import log_step_metrics
+from parallelkit.capabilities import DDP_COMM_HOOK, require_capabilities
 from parallelkit.distributed.comm_hooks import COMPRESSION_METHODS, GRAD_ALLREDUCE, GRAD_HOOK_INPUT, POWERSGD_ALLREDUCE, build_compression_hook
 from parallelkit.errors import ConfigError
-from parallelkit.strategies.base import DDP_COMM_HOOK, require_capabilities
 
 OWNER = "callbacks=[grad_compression]"
 _KINDS = (GRAD_ALLREDUCE, POWERSGD_ALLREDUCE, GRAD_HOOK_INPUT)
@@ -59,10 +60,12 @@ class GradCompression(ParallelKitCallback):
         self._seen_step = -1
         self._last = (0.0, 0.0)
 
+    @override
     def check_strategy(self, strategy: Any, dims: Any = None) -> None:
         require_capabilities(strategy, OWNER, {DDP_COMM_HOOK: "it replaces the gradient all-reduce with a DDP comm hook"})
         strategy.reserve_comm_hook(OWNER)
 
+    @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         strategy = trainer.strategy
         self.check_strategy(strategy)
@@ -77,6 +80,7 @@ class GradCompression(ParallelKitCallback):
         stats = trainer.strategy.comm_stats
         return float(sum(stats.bytes(k) for k in _KINDS)), self.state.dense_bytes
 
+    @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
         step = trainer.global_step - 1
         if step == self._seen_step or step < 0:

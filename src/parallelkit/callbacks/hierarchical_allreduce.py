@@ -5,13 +5,14 @@ from __future__ import annotations
 from typing import Any
 
 import lightning.pytorch as pl
+from typing_extensions import override
 
 from parallelkit.callbacks.base import ParallelKitCallback
 from parallelkit.callbacks.run_summary import log_step_metrics
+from parallelkit.capabilities import DDP_COMM_HOOK, require_capabilities
 from parallelkit.distributed.comm_stats import collective_bytes
 from parallelkit.distributed.hierarchical_allreduce import INTER, INTRA, build_hierarchical_state, hierarchical_allreduce_hook
 from parallelkit.errors import ConfigError
-from parallelkit.strategies.base import DDP_COMM_HOOK, require_capabilities
 
 OWNER = "callbacks=[hierarchical_allreduce]"
 
@@ -41,6 +42,7 @@ class HierarchicalAllReduce(ParallelKitCallback):
         self._seen_step = -1
         self._last = (0, 0)
 
+    @override
     def check_strategy(self, strategy: Any, dims: Any = None) -> None:
         require_capabilities(strategy, OWNER, {DDP_COMM_HOOK: "it replaces the gradient all-reduce with a DDP comm hook"})
         if dims is not None and dims.data_parallel_size % self.local_size:
@@ -50,12 +52,14 @@ class HierarchicalAllReduce(ParallelKitCallback):
             )
         strategy.reserve_comm_hook(OWNER)
 
+    @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         strategy = trainer.strategy
         self.check_strategy(strategy, strategy.parallel_dims)
         self.state = build_hierarchical_state(self.local_size, strategy.data_parallel_group, strategy.comm_stats)
         strategy.use_comm_hook(hierarchical_allreduce_hook, self.state, OWNER)
 
+    @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._grad_bytes = sum(p.numel() * p.element_size() for p in pl_module.parameters() if p.requires_grad)
         # What one rank writes in a flat all-reduce of every gradient, on the same backend (framing included).
@@ -65,6 +69,7 @@ class HierarchicalAllReduce(ParallelKitCallback):
         stats = trainer.strategy.comm_stats
         return stats.bytes(INTRA), stats.bytes(INTER)
 
+    @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
         step = trainer.global_step - 1
         if step == self._seen_step or step < 0:

@@ -6,13 +6,14 @@ from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from typing_extensions import override
 
 from parallelkit.callbacks.base import ParallelKitCallback
 from parallelkit.callbacks.run_summary import log_step_metrics
+from parallelkit.capabilities import DDP_COMM_HOOK, REPLICATED_PARAMS, require_capabilities
 from parallelkit.distributed.comm_stats import collective_bytes
 from parallelkit.distributed.local_sgd import GRAD_ALLREDUCE, PARAM_AVERAGE, LocalSGD, LocalSGDState, local_sgd_hook
 from parallelkit.errors import ConfigError
-from parallelkit.strategies.base import DDP_COMM_HOOK, REPLICATED_PARAMS, require_capabilities
 
 OWNER = "callbacks=[local_sgd]"
 
@@ -62,6 +63,7 @@ class LocalSGDCallback(ParallelKitCallback):
         self._last_bytes = 0
 
     # ---------------------------------------------------------------- setup
+    @override
     def check_strategy(self, strategy: Any, dims: Any = None) -> None:
         """Before any process starts: DDP's gradient all-reduce must be switchable, and replicas averageable."""
         require_capabilities(strategy, OWNER, {
@@ -70,11 +72,13 @@ class LocalSGDCallback(ParallelKitCallback):
         })
         strategy.reserve_comm_hook(OWNER)
 
+    @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self.check_strategy(trainer.strategy)
         self.state = LocalSGDState(trainer.strategy.data_parallel_group, trainer.strategy.comm_stats)
         trainer.strategy.use_comm_hook(local_sgd_hook, self.state, OWNER)
 
+    @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         params = [p for p in pl_module.parameters() if p.requires_grad]
         self.local = LocalSGD(params, self.state, k_steps=self.k_steps, begin_step=self.begin_step,
@@ -99,9 +103,11 @@ class LocalSGDCallback(ParallelKitCallback):
         return stats.bytes(GRAD_ALLREDUCE) + stats.bytes(PARAM_AVERAGE)
 
     # ---------------------------------------------------------------- per step
+    @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
         self.local.before_step(trainer.global_step)
 
+    @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
         loss = outputs["loss"] if isinstance(outputs, dict) else outputs
         if loss is not None:  # Lightning scales micro-batch losses by 1/accumulate: their sum is the step's mean
@@ -120,6 +126,7 @@ class LocalSGDCallback(ParallelKitCallback):
         log_step_metrics(trainer, {"local_sgd_synced": float(synced), "local_sgd_period": float(self.local.period),
                                    "local_sgd_bytes_sent": float(sent)})
 
+    @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.local is not None and self.local.last_sync < trainer.global_step and self.local.is_local(trainer.global_step - 1):
             # stopped before max_steps (e.g. max_epochs): still end with one model
@@ -141,8 +148,10 @@ class LocalSGDCallback(ParallelKitCallback):
             "adaptive": self.adaptive,
         }}
 
+    @override
     def state_dict(self) -> dict[str, Any]:
         return self.local.state_dict() if self.local is not None else {}
 
+    @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._loaded = dict(state_dict) or None

@@ -29,6 +29,7 @@ import threading
 from typing import Any
 
 from lightning.pytorch.callbacks import Callback
+from typing_extensions import override
 
 from parallelkit.errors import ConfigError
 
@@ -82,6 +83,7 @@ class LocalSigterm(Callback):
         self._agreed_by: Any = None  # the checkpoint callback that asks for signals (connect)
 
     # ------------------------------------------------------------------------------------------ hooks
+    @override
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         # Runs before Lightning registers its signal handlers (Trainer._run), which read the notifier below.
         check_lightning_members(trainer)
@@ -89,6 +91,7 @@ class LocalSigterm(Callback):
         trainer._signal_connector._sigterm_notifier_fn = self._on_signal
         trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = lambda: None
 
+    @override
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         self._training = True
         if self.checkpoint_on_signal and threading.current_thread() is threading.main_thread():
@@ -96,10 +99,12 @@ class LocalSigterm(Callback):
             # included); its signal connector restores this handler when fit ends.
             signal.signal(signal.SIGINT, self._on_signal)
 
+    @override
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         self._training = False
         self._cancel_timer()
 
+    @override
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
         self._training = False
         self._cancel_timer()

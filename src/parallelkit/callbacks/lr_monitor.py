@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from lightning.pytorch.callbacks import LearningRateMonitor as LightningLearningRateMonitor
+from typing_extensions import override
 
 
 class LearningRateMonitor(LightningLearningRateMonitor):
@@ -28,6 +29,7 @@ class LearningRateMonitor(LightningLearningRateMonitor):
         super().__init__(*args, **kwargs)
         self._logged_step: int | None = None
 
+    @override
     def on_train_batch_start(self, trainer: Any, *args: Any, **kwargs: Any) -> None:
         if self.logging_interval == "epoch":
             return

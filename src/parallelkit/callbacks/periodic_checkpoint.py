@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from lightning.pytorch.callbacks import Checkpoint
 from lightning.pytorch.utilities import rank_zero_info
+from typing_extensions import override
 
 from parallelkit.callbacks.local_sigterm import StoppedBySignal
 from parallelkit.errors import ConfigError, WriteFailed
@@ -74,10 +75,12 @@ class PeriodicCheckpoint(Checkpoint):
         self._pending: int | None = None  # a checkpoint deferred to the end of validation (the stop signal, or 0)
 
     @property
+    @override
     def state_key(self) -> str:
         return self._generate_state_key(dirpath=str(self.dirpath))
 
     # ---------------------------------------------------------------------------------------- hooks
+    @override
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         if not callable(getattr(trainer.fit_loop.epoch_loop, "_should_check_val_fx", None)):
             raise RuntimeError("PeriodicCheckpoint relies on Lightning's training_epoch_loop._should_check_val_fx (Lightning 2.6): "
@@ -86,6 +89,7 @@ class PeriodicCheckpoint(Checkpoint):
         if self._stopper is not None:
             self._stopper.connect(self)
 
+    @override
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         now = time.monotonic()
         # The step a resumed run starts at is in its checkpoint already: nothing to write until the next one.
@@ -94,6 +98,7 @@ class PeriodicCheckpoint(Checkpoint):
         self._next_agreement = trainer.global_step + 1
         self._pending = None
 
+    @override
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         step = trainer.global_step
         if step == self._seen_step:
@@ -113,12 +118,14 @@ class PeriodicCheckpoint(Checkpoint):
             return
         self._save_then_stop(trainer, signum)
 
+    @override
     def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
         if self._pending is None or trainer.sanity_checking:
             return
         signum, self._pending = self._pending, None
         self._save_then_stop(trainer, signum)
 
+    @override
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         if trainer.global_step != self._saved_step:  # the final state, whatever the schedule
             self._save(trainer, step_file=bool(self._pending is not None or (self.every_n_steps and trainer.global_step % self.every_n_steps == 0)))

@@ -14,6 +14,7 @@ from typing import Any
 from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
 from lightning.pytorch.callbacks.progress.rich_progress import _RICH_AVAILABLE
 from lightning.pytorch.callbacks.progress.tqdm_progress import _update_n
+from typing_extensions import override
 
 
 def _step_bounded(trainer: Any) -> bool:
@@ -38,6 +39,7 @@ class StepRichProgressBar(_StepBounded, RichProgressBar):
         Trainer(max_steps=500, callbacks=[StepRichProgressBar()])   # "Epoch 2 ━━━━━━ 250/500"
     """
 
+    @override
     def _get_train_description(self, current_epoch: int) -> str:
         if not _step_bounded(self.trainer):
             return super()._get_train_description(current_epoch)
@@ -45,6 +47,7 @@ class StepRichProgressBar(_StepBounded, RichProgressBar):
         width = len(self.validation_description)  # padded like Lightning's, so the bars do not flicker
         return f"{description:{width}}" if width > len(description) else description
 
+    @override
     def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
         reuse = self.progress is not None and self.train_progress_bar_id is not None and not self._leave and not self.is_disabled
         if not _step_bounded(trainer) or not reuse:
@@ -57,6 +60,7 @@ class StepRichProgressBar(_StepBounded, RichProgressBar):
                             description=self._get_train_description(trainer.current_epoch), visible=True)
         self.refresh()
 
+    @override
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         if not _step_bounded(trainer):
             return super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
@@ -68,11 +72,13 @@ class StepRichProgressBar(_StepBounded, RichProgressBar):
 class StepTQDMProgressBar(_StepBounded, TQDMProgressBar):
     """Lightning's ``TQDMProgressBar`` (without Rich), counting steps to ``max_steps``."""
 
+    @override
     def on_train_epoch_start(self, trainer: Any, *args: Any) -> None:
         super().on_train_epoch_start(trainer, *args)
         if _step_bounded(trainer):
             _update_n(self.train_progress_bar, trainer.global_step)
 
+    @override
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         if not _step_bounded(trainer):
             return super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)

@@ -20,6 +20,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_only
+from typing_extensions import override
 
 from parallelkit.distributed.comm_stats import CommStats
 from parallelkit.distributed.parallel_dims import ParallelDims
@@ -77,16 +78,19 @@ class RunSummary(Callback):
         self._trainer: pl.Trainer | None = None
 
     # ---------------------------------------------------------------- per step
+    @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._trainer = trainer
         self._seen_step = trainer.global_step
         self._step_ends = [time.perf_counter()]
 
+    @override
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
         # Gradients exist only between backward and zero_grad: measure them on the first step.
         if not self._grad_bytes:
             self._grad_bytes = _state_bytes(trainer.strategy)["grads"]
 
+    @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
         loss = outputs["loss"] if isinstance(outputs, dict) else outputs
         if loss is None:
@@ -129,6 +133,7 @@ class RunSummary(Callback):
         trainer.progress_bar_metrics["train_loss"] = means[-1]
 
     # ---------------------------------------------------------------- end of training
+    @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._flush(trainer)
         strategy = trainer.strategy
@@ -180,6 +185,7 @@ class RunSummary(Callback):
         if self.print_table:
             print_summary_table(summary, self.output_dir)
 
+    @override
     def state_dict(self) -> dict[str, Any]:
         # Checkpoints are written on every rank at once: average the pending losses now (one collective),
         # so a resumed run's history has every step up to the checkpoint.
@@ -187,6 +193,7 @@ class RunSummary(Callback):
             self._flush(self._trainer)
         return {"train_loss": list(self.train_loss)}
 
+    @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.train_loss = list(state_dict.get("train_loss", []))
 

@@ -6,6 +6,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 from torch.utils.data import DataLoader, Dataset
+from typing_extensions import override
 
 from parallelkit.data.batching import BatchPlan
 from parallelkit.data.sampler import DataParallelBatchSampler
@@ -77,6 +78,7 @@ class DataParallelDataModule(pl.LightningDataModule):
             )
         return kwargs.get("rank", 0)
 
+    @override
     def train_dataloader(self) -> DataLoader:
         sampler = DataParallelBatchSampler(len(self.train_set), self.plan, self._data_parallel_rank(), self.seed)
         if self._resume is not None:
@@ -88,6 +90,7 @@ class DataParallelDataModule(pl.LightningDataModule):
     # Lightning restores its loop counters but restarts a plain DataLoader at the beginning of the epoch;
     # the checkpoint therefore records how many micro-batches of the epoch were consumed, and the sampler
     # skips them on resume, so a resumed run sees exactly the batches an uninterrupted run would.
+    @override
     def state_dict(self) -> dict[str, Any]:
         trainer = getattr(self, "trainer", None)
         if trainer is None:
@@ -96,6 +99,7 @@ class DataParallelDataModule(pl.LightningDataModule):
         # written in on_train_batch_end, after the count; the loader itself has prefetched one more).
         return {"epoch": trainer.current_epoch, "batches_done": trainer.fit_loop.epoch_loop.batch_progress.current.processed}
 
+    @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if not state_dict:
             return
@@ -103,6 +107,7 @@ class DataParallelDataModule(pl.LightningDataModule):
         if self._train_sampler is not None:
             self._train_sampler.resume_at(*self._resume)
 
+    @override
     def val_dataloader(self) -> DataLoader:
         rank = self._data_parallel_rank()
         micro = self.val_batch_size or self.plan.micro_batch_size * self.plan.accumulate

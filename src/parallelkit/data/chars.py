@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 from torch.utils.data import Dataset
+from typing_extensions import override
 
 from parallelkit.data.base import DataParallelDataModule
 from parallelkit.errors import ConfigError
@@ -108,6 +109,7 @@ class CharsDataModule(DataParallelDataModule):
         self.vocab_multiple = vocab_multiple
         self.chars: list[str] = []
 
+    @override
     def build(self) -> None:
         text = load_python_docs() if self.source == PYTHON_DOCS else load_files(self.files)
         needed = 2 * (self.seq_len + 1)
@@ -129,6 +131,7 @@ class CharsDataModule(DataParallelDataModule):
         multiple = self.vocab_multiple
         return -(-len(self.chars) // multiple) * multiple
 
+    @override
     def model_kwargs(self) -> dict:
         return {"vocab_size": self.vocab_size, "block_size": self.seq_len}
 

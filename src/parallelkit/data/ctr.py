@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 from torch.utils.data import TensorDataset
+from typing_extensions import override
 
 from parallelkit.data.base import DataParallelDataModule
 from parallelkit.errors import ConfigError
@@ -144,6 +145,7 @@ class CTRDataModule(DataParallelDataModule):
         self.values_per_field = values_per_field
         self.bayes: dict[str, float] = {}
 
+    @override
     def build(self) -> None:
         ids, labels, prob = make_ctr(self.num_samples + self.val_samples, self.num_fields, self.rows_per_field, self.zipf_exponent, self.signal, self.seed, self.values_per_field)
         n = self.num_samples
@@ -151,6 +153,7 @@ class CTRDataModule(DataParallelDataModule):
         self.val_set = TensorDataset(ids[n:], labels[n:])
         self.bayes = {"bayes_auc": roc_auc(prob[n:], labels[n:]), "bayes_log_loss": log_loss(prob[n:], labels[n:])}
 
+    @override
     def model_kwargs(self) -> dict[str, Any]:
         return {"num_fields": self.num_fields, "num_rows": self.num_fields * self.rows_per_field}
 

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 from torch.utils.data import Dataset, Subset
+from typing_extensions import override
 
 from parallelkit.data.base import DataParallelDataModule
 from parallelkit.data.tiling import Tile, TileGrid, write_core
@@ -174,6 +175,7 @@ class RasterTilesDataModule(DataParallelDataModule):
                 "Without labels use mode=predict ckpt_path=CHECKPOINT to predict the image tile by tile."
             )
 
+    @override
     def build(self) -> None:
         tiles = TileDataset(self.grid, self.raster, with_labels=self.labelled)
         if not self.labelled:  # prediction only: nothing to score against
@@ -185,6 +187,7 @@ class RasterTilesDataModule(DataParallelDataModule):
         else:
             self.train_set = self.val_set = tiles
 
+    @override
     def model_kwargs(self) -> dict[str, Any]:
         return {"in_channels": self.raster.channels}
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 from torch.utils.data import TensorDataset
+from typing_extensions import override
 
 from parallelkit.data.base import DataParallelDataModule
 from parallelkit.errors import ConfigError
@@ -41,11 +42,13 @@ class SyntheticDataModule(DataParallelDataModule):
         self.out_features = out_features
         self.noise = noise
 
+    @override
     def build(self) -> None:
         x, y = make_regression(self.num_samples + self.num_samples // 10 + 1, self.in_features, self.out_features, self.noise, self.seed)
         n = self.num_samples
         self.train_set = TensorDataset(x[:n], y[:n])
         self.val_set = TensorDataset(x[n:], y[n:])
 
+    @override
     def model_kwargs(self) -> dict:
         return {"in_features": self.in_features, "out_features": self.out_features}

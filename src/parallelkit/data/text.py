@@ -30,6 +30,7 @@ import numpy as np
 import torch
 from lightning.pytorch.utilities import rank_zero_info
 from torch.utils.data import Dataset
+from typing_extensions import override
 
 from parallelkit.data.base import DataParallelDataModule
 from parallelkit.data.chars import load_python_docs
@@ -242,6 +243,7 @@ class TextDataModule(DataParallelDataModule):
             return Path(self.cache_dir).expanduser()
         return Path(self.run_dir) / "data" if self.run_dir else Path.cwd() / ".parallelkit_cache"
 
+    @override
     def build(self) -> None:
         tokenizer = self.tokenizer
         dtype = token_dtype(tokenizer.vocab_size)
@@ -295,6 +297,7 @@ class TextDataModule(DataParallelDataModule):
         """The model's vocabulary: the tokenizer's (``len(tokenizer)``), padded up to ``vocab_multiple``."""
         return -(-self.tokenizer.vocab_size // self.vocab_multiple) * self.vocab_multiple
 
+    @override
     def model_kwargs(self) -> dict[str, Any]:
         return {"vocab_size": self.vocab_size, "block_size": self.seq_len}
 

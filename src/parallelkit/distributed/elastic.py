@@ -5,6 +5,8 @@ rendezvous store (the agent's TCPStore, ``TORCHELASTIC_USE_AGENT_STORE``) outliv
 restarted group reads the dead workers' keys (addresses, barrier counters) and times out or hangs — 3 of
 10 restarts worked when measured here. Prefixing every key with the attempt number
 (``TORCHELASTIC_RESTART_COUNT``) gives each attempt a clean namespace in the same store (8 of 8 worked).
+
+The group's timeout is set here too, once for every strategy (``strategy.timeout_s``).
 """
 
 from __future__ import annotations
@@ -16,6 +18,18 @@ from typing import Any
 import torch.distributed as dist
 
 from parallelkit.distributed.listeners import bind_listeners, bind_strategy_listeners
+from parallelkit.errors import ConfigError
+
+# Every strategy's default: a dead rank makes the others fail after this long, not after torch's 30 minutes.
+# conf/strategy/*.yaml repeat the value (a key the command line may set); tests/unit/test_configs.py keeps them equal.
+DEFAULT_TIMEOUT_S = 180.0
+
+
+def process_group_timeout(timeout_s: float) -> timedelta:
+    """``strategy.timeout_s`` (collectives and rendezvous, in seconds) checked, as the group's timeout."""
+    if not isinstance(timeout_s, (int, float)) or timeout_s <= 0:
+        raise ConfigError(f"strategy.timeout_s should be a number of seconds greater than 0. Got {timeout_s!r}.")
+    return timedelta(seconds=timeout_s)
 
 
 def restart_count() -> int | None:

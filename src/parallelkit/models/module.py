@@ -10,6 +10,7 @@ from typing import Any, Callable
 
 import lightning.pytorch as pl
 import torch
+from typing_extensions import override
 
 #: the checkpoint entry that says how to export the model (``parallelkit.export``).
 EXPORT_KEY = "parallelkit_export"
@@ -46,15 +47,18 @@ class TrainModule(pl.LightningModule):
         """What strategies parallelize and look plans up for: the wrapped model (see ``parallelkit.models.plans``)."""
         return self.model
 
+    @override
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
         return self.model(inputs)
 
+    @override
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         inputs, targets = batch
         # Not logged here: self.log costs ~0.7 ms a step. parallelkit's RunSummary callback averages the
         # returned losses over ranks every log_every_n_steps steps, for metrics.csv, summary.json and the bar.
         return _plain(self.model.loss(self(inputs), targets))
 
+    @override
     def validation_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         inputs, targets = batch
         loss = _plain(self.model.loss(self(inputs), targets))
@@ -66,6 +70,7 @@ class TrainModule(pl.LightningModule):
     # what consumed random numbers before (data loader iterators, validation, a restart): a resumed run
     # draws exactly what the uninterrupted run drew. Tensor/pipeline peers share a data-parallel rank and
     # therefore draw the same masks for the activations they hold replicated.
+    @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         if self.step_seed is not None:
             trainer = self.trainer
@@ -77,6 +82,7 @@ class TrainModule(pl.LightningModule):
             if torch.cuda.is_available() and torch.cuda.is_initialized():
                 torch.cuda.manual_seed(seed)  # this rank's device
 
+    @override
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Record what ``python -m parallelkit.export`` needs to write the model in its own library's format,
         for a model that says (``export_metadata()``: e.g. a Hugging Face model's config), and the tokenizer the
@@ -88,6 +94,7 @@ class TrainModule(pl.LightningModule):
             checkpoint[EXPORT_KEY] = {**meta, "state_dict_prefix": "model." + meta.get("state_dict_prefix", ""),
                                       "tokenizer": getattr(datamodule, "tokenizer_path", None)}
 
+    @override
     def configure_optimizers(self) -> Any:
         optimizer = self.optimizer_factory(self.parameters())
         if not self.warmup_steps and not self.decay_steps:

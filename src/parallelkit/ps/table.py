@@ -18,10 +18,12 @@ from __future__ import annotations
 
 import zlib
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
+
+from parallelkit.errors import ConfigError
 
 OPTIMIZERS = ("sgd", "adagrad", "adam")
 _GROWTH = 2  # the row store doubles when full: amortised O(1) inserts, at most 2x the live rows
@@ -88,6 +90,26 @@ class TableSpec:
     def state_slots(self) -> int:
         """Optimizer state tensors per row (each ``dim`` wide), besides the step count of lazy Adam."""
         return {"sgd": 0, "adagrad": 1, "adam": 2}[self.optimizer]
+
+
+def table_optimizer(factory: Callable[..., torch.optim.Optimizer]) -> dict[str, Any]:
+    """The per-row optimizer matching the run's optimizer (kind and hyperparameters, as :class:`TableSpec` fields)."""
+    probe = factory([torch.nn.Parameter(torch.zeros(1))])
+    group = probe.param_groups[0]
+    name = type(probe).__name__
+    if isinstance(probe, torch.optim.SGD):
+        if group.get("momentum", 0) or group.get("nesterov"):
+            raise ConfigError("strategy=ps applies SGD per row without momentum; set optim.optimizer.momentum=0 (or use optim=adagrad).")
+        return {"optimizer": "sgd", "weight_decay": float(group.get("weight_decay", 0.0))}
+    if isinstance(probe, torch.optim.Adagrad):
+        if group.get("lr_decay", 0):
+            raise ConfigError("strategy=ps: Adagrad's lr_decay is not applied per row; use a learning-rate schedule instead (optim.schedule).")
+        return {"optimizer": "adagrad", "eps": float(group["eps"]), "initial_accumulator_value": float(group.get("initial_accumulator_value", 0.0)), "weight_decay": float(group.get("weight_decay", 0.0))}
+    if isinstance(probe, (torch.optim.Adam, torch.optim.AdamW, torch.optim.SparseAdam)):
+        beta1, beta2 = group["betas"]
+        # Weight decay would have to touch every row every step; lazy Adam on the tables skips it.
+        return {"optimizer": "adam", "eps": float(group["eps"]), "beta1": float(beta1), "beta2": float(beta2)}
+    raise ConfigError(f"strategy=ps: the servers implement SGD, Adagrad and Adam per row, not {name}. Use optim=adagrad or optim=sgd (momentum=0).")
 
 
 class TableShard:

@@ -16,12 +16,13 @@ from __future__ import annotations
 from typing import Any
 
 from lightning.pytorch.utilities import rank_zero_info
+from typing_extensions import override
 
 from parallelkit.auto_plan import AutoPlan, Hardware, choose_layout, format_ranking, resolve_hardware
 from parallelkit.errors import ConfigError
 from parallelkit.planner.hardware import host_memory_per_rank
 from parallelkit.strategies.hybrid4d import hybrid4d
-from parallelkit.strategies.protocol import StrategyProtocol
+from parallelkit.strategy_protocol import StrategyProtocol
 
 STRATEGY_NAME = "auto"
 
@@ -82,11 +83,13 @@ class AutoStrategy(StrategyProtocol):
         self.accelerator = "cpu"
         self.auto_plan: AutoPlan | None = None
 
+    @override
     def default_devices(self, accelerator: str) -> int:
         import torch
 
         return max(torch.cuda.device_count(), 1) if accelerator == "gpu" else 2
 
+    @override
     def bind_accelerator(self, accelerator: str) -> None:
         self.accelerator = accelerator
 
@@ -94,6 +97,7 @@ class AutoStrategy(StrategyProtocol):
         return resolve_hardware(self.hardware, accelerator=self.accelerator, devices_per_node=devices_per_node,
                                 memory_default=machine_memory(self.accelerator, devices_per_node))
 
+    @override
     def resolve(self, cfg: Any, devices: int, num_nodes: int) -> Any:
         """The hybrid4d strategy for the layout the cost model picks for ``devices × num_nodes`` ranks."""
         plan = choose_layout(cfg, devices * num_nodes, self.resolve_hardware(devices), max_microbatches=self.max_microbatches,

@@ -12,33 +12,35 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+from typing_extensions import override
 
+from parallelkit.capabilities import DDP_COMM_HOOK, LIGHTNING_BACKWARD, REPLICATED_PARAMS, SERVER_TABLES, SPARSE_GRADIENTS, require_capabilities
 from parallelkit.distributed.comm_stats import REPORT, TRAIN, VALIDATION, CommStats
 from parallelkit.distributed.parallel_dims import ParallelDims
 from parallelkit.errors import ConfigError
-from parallelkit.strategies.protocol import StrategyProtocol
+from parallelkit.strategy_protocol import StrategyProtocol
+
+# The capabilities moved to parallelkit.capabilities (callbacks import them without importing the strategies);
+# they stay importable from here for code written against this module.
+__all__ = ["DDP_COMM_HOOK", "LIGHTNING_BACKWARD", "METRICS", "REPLICATED_PARAMS", "SERVER_TABLES", "SPARSE_GRADIENTS",
+           "ParallelKitStrategyMixin", "model_state_bytes", "require_capabilities"]
 
 METRICS = "metrics"
-
-# Capabilities a callback may ask for with ``strategy.supports(...)`` (never by checking the class).
-#: gradients are averaged by a ``DistributedDataParallel`` module that accepts DDP comm hooks.
-DDP_COMM_HOOK = "ddp_comm_hook"
-#: every rank holds the full (unsharded, unsplit) parameters, so they can be averaged or compared directly.
-REPLICATED_PARAMS = "replicated_params"
-#: Lightning runs ``training_step`` and ``backward`` itself (a pipeline schedule does not).
-LIGHTNING_BACKWARD = "lightning_backward"
-#: the model's embedding tables are held and updated by server ranks, not by the module's optimizer.
-SERVER_TABLES = "server_tables"
-#: sparse gradients (``nn.Embedding(sparse=True)``) are averaged as they are (only the rows of the batch).
-SPARSE_GRADIENTS = "sparse_gradients"
 
 
 class ParallelKitStrategyMixin(StrategyProtocol):
     """Mixed into each parallelkit strategy before its Lightning base class: the run protocol
-    (:class:`~parallelkit.strategies.protocol.StrategyProtocol`), planned degrees, capabilities, counted traffic."""
+    (:class:`~parallelkit.strategy_protocol.StrategyProtocol`), planned degrees, capabilities, counted traffic."""
+
+    # The methods Lightning's Strategy also has (reduce, all_gather, on_train_start, ...) carry no @override: they
+    # override the Lightning class that follows this mixin in each strategy's bases, not a base of the mixin.
 
     #: the name used by ``strategy=NAME`` and written to ``summary.json``.
     strategy_name: str = "?"
+    #: the largest world the strategy can use (None: any).
+    max_world_size: int | None = None
+    #: what callbacks may rely on (the names in :mod:`parallelkit.capabilities`).
+    capabilities: frozenset[str] = frozenset({LIGHTNING_BACKWARD})
 
     def save_directory_atomically(self, filepath: Any, write: Callable[[Path], None]) -> None:
         """Write a checkpoint directory (shards of every rank) under a temporary name, then swap it in.
@@ -71,10 +73,6 @@ class ParallelKitStrategyMixin(StrategyProtocol):
             elif old.exists():
                 old.unlink()
         self.barrier()
-    #: the largest world the strategy can use (None: any).
-    max_world_size: int | None = None
-    #: what callbacks may rely on (see the capability constants above).
-    capabilities: frozenset[str] = frozenset({LIGHTNING_BACKWARD})
 
     def _init_parallelkit(self) -> None:
         if self._checkpoint_io is None:  # a checkpoint file is renamed into place whole (a full disk leaves the old one)
@@ -87,6 +85,7 @@ class ParallelKitStrategyMixin(StrategyProtocol):
         self.device_mesh = None
 
     # ---------------------------------------------------------------- planning (before launch)
+    @override
     def plan(self, world_size: int) -> ParallelDims:
         """Validate the requested degrees for ``world_size`` processes (raises :class:`ConfigError`)."""
         if self.max_world_size is not None and world_size > self.max_world_size:
@@ -114,7 +113,7 @@ class ParallelKitStrategyMixin(StrategyProtocol):
 
     # ---------------------------------------------------------------- run-time capabilities
     def supports(self, capability: str) -> bool:
-        """Whether this strategy (as configured) offers ``capability`` (one of the constants in this module)."""
+        """Whether this strategy (as configured) offers ``capability`` (a name in :mod:`parallelkit.capabilities`)."""
         return capability in self.capabilities
 
     def global_mean(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -154,6 +153,7 @@ class ParallelKitStrategyMixin(StrategyProtocol):
         super().on_validation_end()
         self.comm_stats.phase = TRAIN
 
+    @override
     def summary_metrics(self, trainer: Any) -> dict[str, Any]:
         """``comm_by_rank`` and ``comm_validation`` (see :meth:`comm_report`); subclasses add their own entries."""
         return self.comm_report(trainer)
@@ -225,19 +225,3 @@ def model_state_bytes(module: torch.nn.Module | None, optimizers: list[Any]) -> 
         "optimizer": state,
     }
 
-
-def require_capabilities(strategy: Any, who: str, needs: dict[str, str], instead: str = "strategy=ddp") -> None:
-    """Raise :class:`ConfigError` if ``strategy`` lacks a capability in ``needs`` (capability → why ``who`` needs it).
-
-    Decided by asking the strategy (``supports``), never by its class, so a new strategy that offers the
-    capability works with the callback unchanged.
-    """
-    supports = getattr(strategy, "supports", None)
-    name = getattr(strategy, "strategy_name", type(strategy).__name__)
-    missing = {c: why for c, why in needs.items() if supports is None or not supports(c)}
-    if missing:
-        raise ConfigError(
-            f"{who} does not work with strategy={name}: "
-            + "; ".join(f"{why}, which strategy={name} does not offer ({c!r})" for c, why in missing.items())
-            + f". Use {instead}, or drop the callback."
-        )

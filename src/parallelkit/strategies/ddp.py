@@ -2,22 +2,21 @@
 
 from __future__ import annotations
 
-from datetime import timedelta
 from typing import Any, Callable
 
 import torch
 from lightning.pytorch.strategies import DDPStrategy as LightningDDPStrategy
 from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
+from typing_extensions import override
 
+from parallelkit.capabilities import DDP_COMM_HOOK, LIGHTNING_BACKWARD, REPLICATED_PARAMS, SPARSE_GRADIENTS
 from parallelkit.distributed.data_parallel import apply_ddp
-from parallelkit.distributed.elastic import init_process_group_for_attempt
+from parallelkit.distributed.elastic import DEFAULT_TIMEOUT_S, init_process_group_for_attempt, process_group_timeout
 from parallelkit.distributed.parallel_dims import DP, ParallelDims
 from parallelkit.errors import ConfigError
 from parallelkit.launcher import HydraJobLauncher
-from parallelkit.strategies.base import DDP_COMM_HOOK, LIGHTNING_BACKWARD, REPLICATED_PARAMS, SPARSE_GRADIENTS, ParallelKitStrategyMixin
-
-DEFAULT_TIMEOUT_S = 180.0
+from parallelkit.strategies.base import ParallelKitStrategyMixin
 
 
 class DDPStrategy(ParallelKitStrategyMixin, LightningDDPStrategy):
@@ -59,14 +58,13 @@ class DDPStrategy(ParallelKitStrategyMixin, LightningDDPStrategy):
         timeout_s: float = DEFAULT_TIMEOUT_S,
         process_group_backend: str | None = None,
     ) -> None:
-        if not isinstance(timeout_s, (int, float)) or timeout_s <= 0:
-            raise ConfigError(f"strategy.timeout_s should be a number of seconds greater than 0. Got {timeout_s!r}.")
+        timeout = process_group_timeout(timeout_s)
         if not isinstance(bucket_cap_mb, (int, float)) or bucket_cap_mb <= 0:
             raise ConfigError(f"strategy.bucket_cap_mb should be a number greater than 0. Got {bucket_cap_mb!r}.")
         super().__init__(
             ddp_comm_hook=ddp_comm_hook,
             ddp_comm_state=ddp_comm_state,
-            timeout=timedelta(seconds=timeout_s),
+            timeout=timeout,
             process_group_backend=process_group_backend,
             start_method="popen",
         )
@@ -83,15 +81,18 @@ class DDPStrategy(ParallelKitStrategyMixin, LightningDDPStrategy):
         }
 
     # ---------------------------------------------------------------- planning
+    @override
     def default_devices(self, accelerator: str) -> int:
         if accelerator == "gpu":
             return max(torch.cuda.device_count(), 1)
         return 2
 
+    @override
     def _requested_dims(self, world_size: int) -> ParallelDims:
         return ParallelDims.from_degrees(world_size, dp=self._dp)
 
     # ---------------------------------------------------------------- comm hooks chosen by callbacks
+    @override
     def supports(self, capability: str) -> bool:
         if capability == SPARSE_GRADIENTS:  # DDP all-reduces sparse gradients itself; a comm hook gets dense buckets
             return self._comm_hook_owner is None
@@ -139,15 +140,18 @@ class DDPStrategy(ParallelKitStrategyMixin, LightningDDPStrategy):
         return self.device_mesh.get_group(DP)
 
     # ---------------------------------------------------------------- Lightning hooks
+    @override
     def _configure_launcher(self) -> None:
         self._launcher = HydraJobLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 
+    @override
     def setup_distributed(self) -> None:
         init_process_group_for_attempt(self._get_process_group_backend(), self._timeout, self)  # torchrun restarts; listeners on MASTER_ADDR
         super().setup_distributed()
         self._parallel_dims = self.plan(self.world_size)
         self.device_mesh = self._parallel_dims.build_mesh(self.root_device.type)
 
+    @override
     def _setup_model(self, model: Module) -> DistributedDataParallel:
         return apply_ddp(
             model,
@@ -159,9 +163,11 @@ class DDPStrategy(ParallelKitStrategyMixin, LightningDDPStrategy):
             **self._ddp_options,
         )
 
+    @override
     def _register_ddp_hooks(self) -> None:
         """The hook is registered by :func:`apply_ddp`, on every device type."""
 
+    @override
     def model_state_bytes(self) -> dict[str, int]:
         """Also DDP's gradient buckets: unless ``gradient_as_bucket_view``, its reducer keeps every gradient a
         second time in flat buckets (allocated when the model is wrapped) besides ``p.grad``."""

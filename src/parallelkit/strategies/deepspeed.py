@@ -20,7 +20,6 @@ Lightning's loop, data, callbacks and logging, and lets the DeepSpeed engine own
 from __future__ import annotations
 
 import shutil
-from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
@@ -28,20 +27,21 @@ import torch
 from lightning.pytorch.strategies import DDPStrategy as LightningDDPStrategy
 from lightning.pytorch.trainer import call
 from lightning.pytorch.trainer.states import TrainerFn
+from typing_extensions import override
 
+from parallelkit.capabilities import REPLICATED_PARAMS
 from parallelkit.distributed.deepspeed_config import (
     auto_bucket_elements,
     build_deepspeed_config,
     validate_deepspeed_options,
     validate_trainer_settings,
 )
-from parallelkit.distributed.elastic import init_process_group_for_attempt
+from parallelkit.distributed.elastic import DEFAULT_TIMEOUT_S, init_process_group_for_attempt, process_group_timeout
 from parallelkit.distributed.parallel_dims import ParallelDims
 from parallelkit.errors import ConfigError
 from parallelkit.launcher import HydraJobLauncher
-from parallelkit.strategies.base import REPLICATED_PARAMS, ParallelKitStrategyMixin
+from parallelkit.strategies.base import ParallelKitStrategyMixin
 
-DEFAULT_TIMEOUT_S = 180.0
 CHECKPOINT_TAG = "checkpoint"  # the sub-directory DeepSpeed writes inside the checkpoint path
 # Memory is measured on the first steps only (walking DeepSpeed's buffers costs milliseconds).
 _MEASURED_STEPS = 2
@@ -78,10 +78,9 @@ class DeepSpeedStrategy(ParallelKitStrategyMixin, LightningDDPStrategy):
         timeout_s: float = DEFAULT_TIMEOUT_S,
         process_group_backend: str | None = None,
     ) -> None:
-        if not isinstance(timeout_s, (int, float)) or timeout_s <= 0:
-            raise ConfigError(f"strategy.timeout_s should be a number of seconds greater than 0. Got {timeout_s!r}.")
+        timeout = process_group_timeout(timeout_s)
         validate_deepspeed_options(stage, offload, bucket_elements)
-        super().__init__(timeout=timedelta(seconds=timeout_s), process_group_backend=process_group_backend, start_method="popen")
+        super().__init__(timeout=timeout, process_group_backend=process_group_backend, start_method="popen")
         self._init_parallelkit()
         self.stage, self.offload, self.bucket_elements = stage, offload, bucket_elements
         self.timeout_s = float(timeout_s)
@@ -93,13 +92,16 @@ class DeepSpeedStrategy(ParallelKitStrategyMixin, LightningDDPStrategy):
         self._steps = 0
 
     # ---------------------------------------------------------------- planning (before launch)
+    @override
     def default_devices(self, accelerator: str) -> int:
         return max(torch.cuda.device_count(), 1) if accelerator == "gpu" else 2
 
+    @override
     def _requested_dims(self, world_size: int) -> ParallelDims:
         # ZeRO shards over every process (DeepSpeed's data-parallel group is the whole world).
         return ParallelDims.from_degrees(world_size, dp=1, sharding=world_size) if self.stage else ParallelDims.from_degrees(world_size, dp=-1)
 
+    @override
     def bind_trainer_config(self, trainer_cfg: Mapping[str, Any]) -> None:
         """Check, before any process starts, the Trainer settings DeepSpeed applies instead of Lightning."""
         validate_trainer_settings(
@@ -107,15 +109,18 @@ class DeepSpeedStrategy(ParallelKitStrategyMixin, LightningDDPStrategy):
         )
 
     # ---------------------------------------------------------------- Lightning hooks
+    @override
     def _configure_launcher(self) -> None:
         self._launcher = HydraJobLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 
+    @override
     def setup_distributed(self) -> None:
         init_process_group_for_attempt(self._get_process_group_backend(), self._timeout, self)  # torchrun restarts; listeners on MASTER_ADDR
         super().setup_distributed()
         self._parallel_dims = self.plan(self.world_size)
         self.device_mesh = self._parallel_dims.build_mesh(self.root_device.type)
 
+    @override
     def setup(self, trainer: Any) -> None:
         self.accelerator.setup(trainer)
         validate_trainer_settings(trainer.precision, trainer.gradient_clip_val, trainer.gradient_clip_algorithm)
@@ -145,12 +150,14 @@ class DeepSpeedStrategy(ParallelKitStrategyMixin, LightningDDPStrategy):
         base.register_step_pre_hook(lambda *_: self._measure_state())  # grads are flattened for the step here
         self.setup_precision_plugin()
 
+    @override
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
         # Lightning has already divided the loss by accumulate_grad_batches: the engine must not again.
         closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
         self.engine.backward(closure_loss, scale_wrt_gas=False)
         return self.precision_plugin.post_backward(closure_loss, self.lightning_module)
 
+    @override
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         result = closure()  # forward and engine.backward of the step's last micro-batch
         trainer = self.lightning_module.trainer
@@ -174,6 +181,7 @@ class DeepSpeedStrategy(ParallelKitStrategyMixin, LightningDDPStrategy):
         for key, value in where.items():
             self._state_where[key] = max(self._state_where.get(key, 0), value)
 
+    @override
     def model_state_bytes(self) -> dict[str, int]:
         """Per category, the most this rank held at the points measured (after backward, inside and after
         the optimizer step of the first steps, and now): DeepSpeed's flat buffers, fp32 master partitions,
@@ -181,6 +189,7 @@ class DeepSpeedStrategy(ParallelKitStrategyMixin, LightningDDPStrategy):
         self._measure_state()
         return dict(self._state_peak)
 
+    @override
     def summary_metrics(self, trainer: Any) -> dict[str, Any]:
         lrs = [group["lr"] for group in self.engine.optimizer.param_groups] if self.engine is not None else []
         return {
@@ -195,19 +204,24 @@ class DeepSpeedStrategy(ParallelKitStrategyMixin, LightningDDPStrategy):
 
     # ---------------------------------------------------------------- checkpoints
     @property
+    @override
     def restore_checkpoint_after_setup(self) -> bool:
         return True  # the engine (its partitions) must exist before its checkpoint can be loaded
 
     @property
+    @override
     def lightning_restore_optimizer(self) -> bool:
         return False  # the engine restores its optimizer partitions; Lightning still restores the schedulers
 
+    @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         return {}  # the engine saves the module, partitioned as it holds it
 
+    @override
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
         return {}  # the engine saves the optimizer partitions
 
+    @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
         if storage_options is not None:
             raise ConfigError("strategy=deepspeed writes DeepSpeed checkpoint directories; storage_options are not supported.")
@@ -220,6 +234,7 @@ class DeepSpeedStrategy(ParallelKitStrategyMixin, LightningDDPStrategy):
 
         self.save_directory_atomically(filepath, write)  # a full disk leaves the previous checkpoint whole
 
+    @override
     def check_checkpoint(self, checkpoint_path: Any, expected_shapes: Mapping[str, Any] | None = None) -> None:
         """Before any process starts (``parallelkit.run``): ``checkpoint_path`` is a DeepSpeed checkpoint
         directory this strategy wrote, with its model states. Shapes are checked by DeepSpeed on load."""
@@ -234,6 +249,7 @@ class DeepSpeedStrategy(ParallelKitStrategyMixin, LightningDDPStrategy):
         if not any((path / CHECKPOINT_TAG).glob("*model_states.pt")):
             raise ConfigError(f"ckpt_path={checkpoint_path} is an incomplete DeepSpeed checkpoint (no model states): its writer died. Use an earlier checkpoint.")
 
+    @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         from parallelkit.distributed.deepspeed_engine import deepspeed_comm_paused
 
@@ -247,9 +263,11 @@ class DeepSpeedStrategy(ParallelKitStrategyMixin, LightningDDPStrategy):
             raise ConfigError(f"DeepSpeed could not load the checkpoint at {checkpoint_path}.")
         return client_state
 
+    @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         """Done by ``engine.load_checkpoint`` in :meth:`load_checkpoint`."""
 
+    @override
     def remove_checkpoint(self, filepath: Any) -> None:
         if self.is_global_zero:
             shutil.rmtree(filepath, ignore_errors=True) if Path(filepath).is_dir() else Path(filepath).unlink(missing_ok=True)

@@ -28,7 +28,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from typing_extensions import override
 
+from parallelkit.capabilities import LIGHTNING_BACKWARD
+from parallelkit.distributed.elastic import DEFAULT_TIMEOUT_S
 from parallelkit.distributed.expert_parallel import ExpertParallelHandle, ExpertParallelPlan, apply_ep, check_expert_parallel
 from parallelkit.distributed.fsdp import apply_fsdp
 from parallelkit.distributed.grad_sync import apply_grad_allreduce
@@ -36,8 +39,7 @@ from parallelkit.distributed.parallel_dims import DEFAULT_MESH_ORDER, DP, PP, SH
 from parallelkit.distributed.tensor_parallel import apply_tp
 from parallelkit.errors import ConfigError
 from parallelkit.models.plans import model_plans
-from parallelkit.strategies.base import LIGHTNING_BACKWARD
-from parallelkit.strategies.mesh import DEFAULT_TIMEOUT_S, MeshStrategy
+from parallelkit.strategies.mesh import MeshStrategy
 from parallelkit.strategies.moe import EXPERT_GRAD_ALLREDUCE
 from parallelkit.strategies.pp import PipelineStrategy
 from parallelkit.strategies.tp import TensorParallelSteps, say_if_experts_replicated
@@ -236,6 +238,7 @@ class Hybrid4DStrategy(HybridParts, TensorParallelSteps, MeshStrategy):
         super().__init__(dp=dp, sharding=sharding, tp=tp, pp=1, ep=ep, **kwargs)
         self._init_hybrid(sequence_parallel, per_block, reshard_after_forward, plan)
 
+    @override
     def parallelize(self, model: torch.nn.Module) -> None:
         compose_before_pipeline(self, model)
 
@@ -258,13 +261,16 @@ class Hybrid4DPipelineStrategy(HybridParts, TensorParallelSteps, PipelineStrateg
         self._degrees.update(sharding=sharding, tp=tp, ep=ep)  # PipelineStrategy takes pp and dp only; ParallelDims validates all
         self._init_hybrid(sequence_parallel, per_block, reshard_after_forward, plan)
 
+    @override
     def parallelize(self, model: torch.nn.Module) -> None:
         compose_before_pipeline(self, model)  # 1-3 (TP, EP) on the whole model
         super().parallelize(model)  # 5. PP: cut into this rank's stages, 4. sharding/DP on them, then the schedule
 
+    @override
     def apply_data_parallel(self, stage_modules: list[torch.nn.Module]) -> None:
         apply_data_parallel(self, stage_modules)
 
+    @override
     def _loss_from_last_stage(self, loss: torch.Tensor | None) -> torch.Tensor:
         # Under loss_parallel the last stage's loss is a replicated DTensor: every tp rank holds the value.
         if loss is not None and hasattr(loss, "to_local"):

@@ -16,7 +16,6 @@ redirection), so that the hooks FSDP2 puts around a root module's forward also f
 
 from __future__ import annotations
 
-from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable
 
@@ -25,16 +24,16 @@ from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torch.distributed.fsdp import FSDPModule
+from typing_extensions import override
 
-from parallelkit.distributed.elastic import init_process_group_for_attempt
+from parallelkit.capabilities import LIGHTNING_BACKWARD
+from parallelkit.distributed.elastic import DEFAULT_TIMEOUT_S, init_process_group_for_attempt, process_group_timeout
 from parallelkit.distributed.grad_sync import GradAllReduce
 from parallelkit.distributed.parallel_dims import DEFAULT_MESH_ORDER, ParallelDims, add_lightning_axis_names
 from parallelkit.errors import ConfigError
 from parallelkit.launcher import HydraJobLauncher
 from parallelkit.models.plans import parallel_model
-from parallelkit.strategies.base import LIGHTNING_BACKWARD, ParallelKitStrategyMixin
-
-DEFAULT_TIMEOUT_S = 180.0
+from parallelkit.strategies.base import ParallelKitStrategyMixin
 
 
 class MeshStrategy(ParallelKitStrategyMixin, ModelParallelStrategy):
@@ -68,12 +67,11 @@ class MeshStrategy(ParallelKitStrategyMixin, ModelParallelStrategy):
         timeout_s: float = DEFAULT_TIMEOUT_S,
         process_group_backend: str | None = None,
     ) -> None:
-        if not isinstance(timeout_s, (int, float)) or timeout_s <= 0:
-            raise ConfigError(f"strategy.timeout_s should be a number of seconds greater than 0. Got {timeout_s!r}.")
+        timeout = process_group_timeout(timeout_s)
         super().__init__(
             save_distributed_checkpoint=save_distributed_checkpoint,
             process_group_backend=process_group_backend,
-            timeout=timedelta(seconds=timeout_s),
+            timeout=timeout,
         )
         self._init_parallelkit()
         self._degrees = {"dp": dp, "sharding": sharding, "tp": tp, "pp": pp, "ep": ep}
@@ -83,18 +81,22 @@ class MeshStrategy(ParallelKitStrategyMixin, ModelParallelStrategy):
         self._steps_through_call = False
 
     # ---------------------------------------------------------------- planning (before launch)
+    @override
     def default_devices(self, accelerator: str) -> int:
         if accelerator == "gpu":
             return max(torch.cuda.device_count(), 1)
         return 2
 
+    @override
     def _requested_dims(self, world_size: int) -> ParallelDims:
         return ParallelDims.from_degrees(world_size, **self._degrees, mesh_order=self._mesh_order)
 
     # ---------------------------------------------------------------- Lightning hooks
+    @override
     def _configure_launcher(self) -> None:
         self._launcher = HydraJobLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 
+    @override
     def setup_environment(self) -> None:
         # Lightning's version builds a 2-D (data, tensor) mesh; parallelkit's mesh has every axis.
         super(ModelParallelStrategy, self).setup_environment()
@@ -107,6 +109,7 @@ class MeshStrategy(ParallelKitStrategyMixin, ModelParallelStrategy):
         self.lightning_module._device_mesh = self._device_mesh
 
     @property
+    @override
     def device_mesh(self) -> Any:
         return self._device_mesh
 
@@ -114,6 +117,7 @@ class MeshStrategy(ParallelKitStrategyMixin, ModelParallelStrategy):
     def device_mesh(self, mesh: Any) -> None:
         self._device_mesh = mesh
 
+    @override
     def setup(self, trainer: Any) -> None:
         self.accelerator.setup(trainer)
         self.check_lightning_module(self.lightning_module)
@@ -156,15 +160,19 @@ class MeshStrategy(ParallelKitStrategyMixin, ModelParallelStrategy):
         with getattr(self.precision_plugin, context)():
             return self._forward_redirection(self.lightning_module, self.lightning_module, method, *args, **kwargs)
 
+    @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         return self._step("training_step", "train_step_context", super().training_step, *args, **kwargs)
 
+    @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         return self._step("validation_step", "val_step_context", super().validation_step, *args, **kwargs)
 
+    @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
         return self._step("test_step", "test_step_context", super().test_step, *args, **kwargs)
 
+    @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         return self._step("predict_step", "predict_step_context", super().predict_step, *args, **kwargs)
 
@@ -178,6 +186,7 @@ class MeshStrategy(ParallelKitStrategyMixin, ModelParallelStrategy):
         """Called once the gradients are averaged, before clipping (pipeline: clip by the norm over all stages)."""
 
     # ---------------------------------------------------------------- atomic sharded checkpoints
+    @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
         """A sharded checkpoint directory: every rank writes its shard, rank 0 ``meta.pt`` last (the completion
         marker loaders look for), all under a temporary name swapped in whole (:meth:`save_directory_atomically`)."""
@@ -194,6 +203,7 @@ class MeshStrategy(ParallelKitStrategyMixin, ModelParallelStrategy):
         """
         return "param_groups"
 
+    @override
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
         return self._rank_keyed(super().optimizer_state(optimizer))
 
@@ -202,6 +212,7 @@ class MeshStrategy(ParallelKitStrategyMixin, ModelParallelStrategy):
         old, new = (key, "param_groups") if back else ("param_groups", key)
         return {(new if k == old else k): v for k, v in state.items()}
 
+    @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """Each rank loads its parameters and optimizer state from the distributed checkpoint.
 
@@ -239,6 +250,7 @@ class MeshStrategy(ParallelKitStrategyMixin, ModelParallelStrategy):
             set_optimizer_state_dict(module, optimizer, optim_state_dict=loaded, options=StateDictOptions(cpu_offload=True))
         return torch.load(path / "meta.pt", weights_only=weights_only)
 
+    @override
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         # Lightning runs forward and backward inside ``closure``; averaging the gradients right after it
         # puts the sync before gradient clipping and ``on_before_optimizer_step`` callbacks.

@@ -6,14 +6,16 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from typing_extensions import override
 
+from parallelkit.capabilities import LIGHTNING_BACKWARD
+from parallelkit.distributed.elastic import DEFAULT_TIMEOUT_S
 from parallelkit.distributed.expert_parallel import MOE_ALL_TO_ALL, ExpertParallelPlan, apply_ep, check_expert_parallel
 from parallelkit.distributed.grad_sync import apply_grad_allreduce
 from parallelkit.distributed.parallel_dims import DP
 from parallelkit.errors import ConfigError
 from parallelkit.models.plans import model_plans
-from parallelkit.strategies.base import LIGHTNING_BACKWARD
-from parallelkit.strategies.mesh import DEFAULT_TIMEOUT_S, MeshStrategy
+from parallelkit.strategies.mesh import MeshStrategy
 
 EXPERT_GRAD_ALLREDUCE = "expert_grad_allreduce"
 
@@ -61,6 +63,7 @@ class ExpertParallelStrategy(MeshStrategy):
         self.ep_handle = None
         self._all_to_all_bytes_seen = 0
 
+    @override
     def setup(self, trainer: Any) -> None:
         self.check_trainer(trainer)
         super().setup(trainer)
@@ -74,6 +77,7 @@ class ExpertParallelStrategy(MeshStrategy):
                 "replicas would drift apart. Use trainer.gradient_clip_algorithm=value, or leave gradient_clip_val null."
             )
 
+    @override
     def check_model(self, model: torch.nn.Module, world_size: int | None = None) -> None:
         """Before any process starts: the model has an expert-parallel plan and ``ep`` divides its experts."""
         check_expert_parallel(self._expert_plan(model), self._degrees["ep"])
@@ -81,6 +85,7 @@ class ExpertParallelStrategy(MeshStrategy):
     def _expert_plan(self, model: torch.nn.Module) -> ExpertParallelPlan:
         return model_plans(model, self.plan_source).expert_parallel_plan(who="strategy=moe")
 
+    @override
     def parallelize(self, model: torch.nn.Module) -> None:
         dims = self.parallel_dims
         plan = self._expert_plan(model)
@@ -102,11 +107,13 @@ class ExpertParallelStrategy(MeshStrategy):
         step, self._all_to_all_bytes_seen = total - self._all_to_all_bytes_seen, total
         return {"moe_all_to_all_bytes": step}
 
+    @override
     def param_groups_key(self) -> str:
         # ranks of different expert shards list different expert parameters (see MeshStrategy.param_groups_key)
         handle = self.ep_handle
         return "param_groups" if handle is None else "param_groups_experts_" + "_".join(map(str, handle.local_experts))
 
+    @override
     def summary_metrics(self, trainer: Any) -> dict[str, Any]:
         handle = self.ep_handle
         return {**super().summary_metrics(trainer),

@@ -26,8 +26,10 @@ import torch.distributed as dist
 from lightning.pytorch.plugins.precision import Precision
 from torch.distributed.tensor import DTensor
 from lightning.pytorch.utilities import rank_zero_info
+from typing_extensions import override
 
 from parallelkit.distributed.comm_stats import REPORT
+from parallelkit.distributed.elastic import DEFAULT_TIMEOUT_S
 from parallelkit.distributed.grad_sync import apply_grad_allreduce
 from parallelkit.distributed.parallel_dims import DEFAULT_MESH_ORDER, DP, PP
 from parallelkit.distributed.pipeline_parallel import (
@@ -43,7 +45,7 @@ from parallelkit.distributed.pipeline_parallel import (
 )
 from parallelkit.errors import ConfigError
 from parallelkit.models.plans import model_plans, parallel_model
-from parallelkit.strategies.mesh import DEFAULT_TIMEOUT_S, MeshStrategy
+from parallelkit.strategies.mesh import MeshStrategy
 
 PP_LOSS = "pp_loss"
 PP_GRAD_NORM = "pp_grad_norm"
@@ -120,6 +122,7 @@ class PipelineStrategy(MeshStrategy):
         self._step_grads: list[torch.Tensor | None] | None = None
 
     # ---------------------------------------------------------------- before launch
+    @override
     def check_lightning_module(self, module: Any) -> None:
         """The schedule runs forward, loss and backward of the micro-batches itself, in place of ``training_step``."""
         name = type(module).__name__
@@ -140,6 +143,7 @@ class PipelineStrategy(MeshStrategy):
                 "\"Your own model\"), or use a strategy that runs your training_step, such as strategy=zero."
             )
 
+    @override
     def check_workload(self, model: torch.nn.Module, datamodule: Any = None) -> None:
         """Check the split and the micro-batches against the model and the batch plan (no process group)."""
         who = f"strategy={self.strategy_name} with strategy.pp={self.pp}"
@@ -154,6 +158,7 @@ class PipelineStrategy(MeshStrategy):
                 check_microbatch_split(val, self.microbatches, f"data.val_batch_size={val}")
 
     # ---------------------------------------------------------------- setup
+    @override
     def parallelize(self, model: torch.nn.Module) -> None:
         if type(self.precision_plugin) is not Precision:
             raise ConfigError(
@@ -188,6 +193,7 @@ class PipelineStrategy(MeshStrategy):
         self.grad_syncs.append(apply_grad_allreduce(params, self.device_mesh.get_group(DP), comm_stats=self.comm_stats))
 
     # ---------------------------------------------------------------- the step
+    @override
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         inputs, targets = batch
         check_microbatch_split(len(inputs), self.microbatches)
@@ -203,6 +209,7 @@ class PipelineStrategy(MeshStrategy):
             p.grad = grad
         return self._loss_from_last_stage(loss)
 
+    @override
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
         if self._step_grads is None:
             raise RuntimeError("PipelineStrategy.backward() without a training_step: Lightning's call order changed")
@@ -218,6 +225,7 @@ class PipelineStrategy(MeshStrategy):
         self._step_grads = None
         return self.precision_plugin.post_backward(closure_loss, module)  # on_after_backward hooks
 
+    @override
     @torch.no_grad()
     def after_grad_sync(self) -> None:
         """Clip by the norm of the whole model: the stages' squared norms summed over the pipeline group."""
@@ -246,6 +254,7 @@ class PipelineStrategy(MeshStrategy):
             dist.broadcast(value, group_src=source, group=group)
         return value
 
+    @override
     def validation_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         inputs, targets = batch
         check_microbatch_split(len(inputs), self.microbatches, "the validation batch")
@@ -253,21 +262,25 @@ class PipelineStrategy(MeshStrategy):
         self.lightning_module.log("val_loss", loss, prog_bar=True, sync_dist=True, on_epoch=True)
         return loss
 
+    @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
         raise ConfigError("strategy=pp runs fit and validate; test/predict are not wired to the pipeline schedule.")
 
     predict_step = test_step
 
     # ---------------------------------------------------------------- checkpoints
+    @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         # a stage may also hold DTensors (hybrid4d with tp): always the per-rank loader, with stage-keyed groups
         return self._load_per_rank_checkpoint(checkpoint_path, weights_only)
 
+    @override
     def param_groups_key(self) -> str:
         # each pipeline rank's optimizer lists its own stages' parameters (see MeshStrategy.param_groups_key)
         return "param_groups_stages_" + "_".join(map(str, self.pipeline.stage_ids))
 
     # ---------------------------------------------------------------- measurements
+    @override
     def summary_metrics(self, trainer: Any) -> dict[str, Any]:
         metrics = super().summary_metrics(trainer)
         if self.pipeline is None:

@@ -30,39 +30,23 @@ import torch.distributed as dist
 from lightning.fabric.utilities.distributed import _all_gather_ddp_if_available, _sync_ddp_if_available
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.strategies import DDPStrategy as LightningDDPStrategy
+from typing_extensions import override
 
+from parallelkit.capabilities import LIGHTNING_BACKWARD, SERVER_TABLES
 from parallelkit.distributed.collectives import gather_stacked
-from parallelkit.distributed.elastic import init_process_group_for_attempt
+from parallelkit.distributed.elastic import DEFAULT_TIMEOUT_S, init_process_group_for_attempt
 from parallelkit.errors import ConfigError
 from parallelkit.models.plans import model_plans, parallel_model
 from parallelkit.ps import server as ps_server
 from parallelkit.ps.client import PSClient
 from parallelkit.ps.embedding import ShardedEmbedding, apply_parameter_server
 from parallelkit.ps.roles import PSDims, init_rpc, rpc_name
-from parallelkit.strategies.base import LIGHTNING_BACKWARD, METRICS, SERVER_TABLES, model_state_bytes
+from parallelkit.ps.table import table_optimizer
+from parallelkit.run_dir import checkpoint_step
+from parallelkit.strategies.base import METRICS, model_state_bytes
 from parallelkit.strategies.ddp import DDPStrategy
 
 GRAD_ALLREDUCE = "grad_allreduce"
-
-
-def table_optimizer(factory: Callable[..., torch.optim.Optimizer]) -> dict[str, Any]:
-    """The per-row optimizer matching the run's optimizer (kind and hyperparameters, as :class:`TableSpec` fields)."""
-    probe = factory([torch.nn.Parameter(torch.zeros(1))])
-    group = probe.param_groups[0]
-    name = type(probe).__name__
-    if isinstance(probe, torch.optim.SGD):
-        if group.get("momentum", 0) or group.get("nesterov"):
-            raise ConfigError("strategy=ps applies SGD per row without momentum; set optim.optimizer.momentum=0 (or use optim=adagrad).")
-        return {"optimizer": "sgd", "weight_decay": float(group.get("weight_decay", 0.0))}
-    if isinstance(probe, torch.optim.Adagrad):
-        if group.get("lr_decay", 0):
-            raise ConfigError("strategy=ps: Adagrad's lr_decay is not applied per row; use a learning-rate schedule instead (optim.schedule).")
-        return {"optimizer": "adagrad", "eps": float(group["eps"]), "initial_accumulator_value": float(group.get("initial_accumulator_value", 0.0)), "weight_decay": float(group.get("weight_decay", 0.0))}
-    if isinstance(probe, (torch.optim.Adam, torch.optim.AdamW, torch.optim.SparseAdam)):
-        beta1, beta2 = group["betas"]
-        # Weight decay would have to touch every row every step; lazy Adam on the tables skips it.
-        return {"optimizer": "adam", "eps": float(group["eps"]), "beta1": float(beta1), "beta2": float(beta2)}
-    raise ConfigError(f"strategy=ps: the servers implement SGD, Adagrad and Adam per row, not {name}. Use optim=adagrad or optim=sgd (momentum=0).")
 
 
 class ParameterServerStrategy(DDPStrategy):
@@ -90,7 +74,7 @@ class ParameterServerStrategy(DDPStrategy):
     strategy_name = "ps"
     capabilities = frozenset({LIGHTNING_BACKWARD, SERVER_TABLES})
 
-    def __init__(self, servers: int = 1, mode: str = "sync", geo_k_steps: int = 10, timeout_s: float = 180.0, rpc_threads: int = 16,
+    def __init__(self, servers: int = 1, mode: str = "sync", geo_k_steps: int = 10, timeout_s: float = DEFAULT_TIMEOUT_S, rpc_threads: int = 16,
                  listen_interface: str | None = None, plan: str | None = None, process_group_backend: str | None = None,
                  rpc_transports: list[str] | None = None, rpc_channels: list[str] | None = None) -> None:
         if not isinstance(servers, int) or isinstance(servers, bool) or servers < 1:
@@ -114,9 +98,11 @@ class ParameterServerStrategy(DDPStrategy):
         self._failure: str | None = None
 
     # ---------------------------------------------------------------- planning (before launch)
+    @override
     def default_devices(self, accelerator: str) -> int:
         return self.servers + 1
 
+    @override
     def _requested_dims(self, world_size: int) -> PSDims:
         if self.servers >= world_size:
             raise ConfigError(
@@ -125,13 +111,16 @@ class ParameterServerStrategy(DDPStrategy):
             )
         return PSDims(world_size=world_size, dp=world_size - self.servers, servers=self.servers)
 
+    @override
     def bind_trainer_config(self, trainer_cfg: dict[str, Any]) -> None:
         if trainer_cfg.get("gradient_clip_val"):
             raise ConfigError("strategy=ps does not clip gradients: the sparse ones are on the servers. Set trainer.gradient_clip_val=null.")
 
+    @override
     def check_model(self, model: torch.nn.Module, world_size: int) -> None:
         model_plans(model, self.plan_source).require("parameter_server_tables", "strategy=ps")
 
+    @override
     def check_lightning_module(self, module: Any) -> None:
         """The servers' per-row optimizer is built from the run's optimizer factory (``optim=``), which only
         parallelkit's ``TrainModule`` carries; a LightningModule's own ``configure_optimizers`` cannot tell it."""
@@ -143,6 +132,7 @@ class ParameterServerStrategy(DDPStrategy):
                 "parameter_server_tables plan; parallelkit wraps it with optim=."
             )
 
+    @override
     def check_checkpoint(self, path: Any, shapes: dict[str, Any]) -> None:
         """A checkpoint resumes only with the servers' snapshot of its step beside it, written by as many servers as now."""
         path = Path(path)
@@ -172,6 +162,7 @@ class ParameterServerStrategy(DDPStrategy):
             )
 
     @property
+    @override
     def restore_checkpoint_after_setup(self) -> bool:
         # The checkpoint's model state has no dense table (the servers hold it): load it into the swapped model.
         return True
@@ -181,6 +172,7 @@ class ParameterServerStrategy(DDPStrategy):
         return self.parallel_dims.is_server(self.global_rank)
 
     # ---------------------------------------------------------------- process groups and RPC
+    @override
     def setup_distributed(self) -> None:
         init_process_group_for_attempt(self._get_process_group_backend(), self._timeout, self)  # torchrun restarts; listeners on MASTER_ADDR
         LightningDDPStrategy.setup_distributed(self)
@@ -195,10 +187,12 @@ class ParameterServerStrategy(DDPStrategy):
                  transports=self.rpc_transports, channels=self.rpc_channels)
 
     @property
+    @override
     def data_parallel_group(self) -> Any:
         return self._worker_group
 
     # ---------------------------------------------------------------- setup: serve, or swap the tables
+    @override
     def setup(self, trainer: Any) -> None:
         self.accelerator.setup(trainer)
         module = self.lightning_module
@@ -224,6 +218,7 @@ class ParameterServerStrategy(DDPStrategy):
         _optimizers_to_device(self.optimizers, self.root_device)
         self._route_sigterm_broadcast(trainer)
 
+    @override
     def on_train_start(self) -> None:
         # Lightning restores a checkpoint after setup (restore_checkpoint_after_setup): only now is its path known.
         ckpt_path = self.lightning_module.trainer.ckpt_path
@@ -274,6 +269,7 @@ class ParameterServerStrategy(DDPStrategy):
         rpc.shutdown(graceful=True)  # a barrier over all RPC ranks: the workers are shutting down too
 
     # ---------------------------------------------------------------- the step
+    @override
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         def closure_then_sync() -> Any:
             result = closure()  # forward (pulls) and backward
@@ -300,12 +296,14 @@ class ParameterServerStrategy(DDPStrategy):
             offset += n
 
     # ---------------------------------------------------------------- collectives: workers only
+    @override
     def barrier(self, *args: Any, **kwargs: Any) -> None:
         if self._worker_group is None:
             return super().barrier(*args, **kwargs)
         if not self.is_server:
             dist.barrier(group=self._worker_group)
 
+    @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         if self._worker_group is None or self.is_server:
             return obj if self._worker_group is not None else super().broadcast(obj, src)
@@ -313,6 +311,7 @@ class ParameterServerStrategy(DDPStrategy):
         dist.broadcast_object_list(box, src=src, group=self._worker_group)
         return box[0]
 
+    @override
     def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
         if self._worker_group is None or not isinstance(tensor, torch.Tensor):
             return super().reduce(tensor, group, reduce_op)
@@ -323,6 +322,7 @@ class ParameterServerStrategy(DDPStrategy):
             self.comm_stats.record(METRICS, tensor, "all_reduce", group or self._worker_group)
         return _sync_ddp_if_available(tensor, group or self._worker_group, reduce_op=reduce_op)
 
+    @override
     def all_gather(self, tensor: torch.Tensor, group: Any = None, sync_grads: bool = False) -> torch.Tensor:
         if self._worker_group is None:
             return super().all_gather(tensor, group, sync_grads)
@@ -332,6 +332,7 @@ class ParameterServerStrategy(DDPStrategy):
             return _all_gather_ddp_if_available(tensor, group=group or self._worker_group, sync_grads=True)
         return gather_stacked(tensor, group or self._worker_group)
 
+    @override
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
         if self._worker_group is None or self.is_server:
             return decision
@@ -339,10 +340,12 @@ class ParameterServerStrategy(DDPStrategy):
         return bool(total == self.parallel_dims.workers) if all else bool(total)
 
     @property
+    @override
     def report_group(self) -> Any:
         return self._worker_group  # servers take no part in the workers' collectives
 
     # ---------------------------------------------------------------- checkpoints
+    @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
         """The servers' snapshot of the tables (``NAME_ps/server{k}-step{N}.pt``, written by the servers themselves),
         then the workers' checkpoint (dense layers, optimizer, loops) as usual, then older snapshots are dropped.
@@ -358,6 +361,7 @@ class ParameterServerStrategy(DDPStrategy):
         if self.client is not None and self.is_global_zero:
             self.client.drop_snapshots(directory, step)
 
+    @override
     def remove_checkpoint(self, filepath: Any) -> None:
         """Lightning drops an old checkpoint (``save_top_k``): its snapshot goes with it."""
         super().remove_checkpoint(filepath)
@@ -365,9 +369,11 @@ class ParameterServerStrategy(DDPStrategy):
             shutil.rmtree(snapshot_dir(Path(filepath)), ignore_errors=True)
 
     # ---------------------------------------------------------------- reporting and teardown
+    @override
     def model_state_bytes(self) -> dict[str, int]:
         return model_state_bytes(self.lightning_module, self.optimizers)  # the worker's dense part only
 
+    @override
     def summary_metrics(self, trainer: Any) -> dict[str, Any]:
         """Servers' rows and bytes, the rows the workers touched, and bytes per step against the formula."""
         metrics = super().summary_metrics(trainer)
@@ -412,9 +418,11 @@ class ParameterServerStrategy(DDPStrategy):
             }
         }
 
+    @override
     def on_exception(self, exception: BaseException) -> None:
         self._failure = f"{type(exception).__name__}: {exception}"
 
+    @override
     def teardown(self) -> None:
         import torch.distributed.rpc as rpc
 
@@ -431,10 +439,3 @@ def snapshot_dir(checkpoint: Path) -> Path:
     """Where the servers' snapshot of a checkpoint lives: ``NAME.ckpt`` → ``NAME_ps/``."""
     return checkpoint.with_name(checkpoint.name.removesuffix(".ckpt") + "_ps")
 
-
-def checkpoint_step(path: Path) -> int | None:
-    """The optimizer step a Lightning checkpoint file was saved at (``None``: unreadable)."""
-    try:
-        return int(torch.load(path, map_location="cpu", weights_only=False, mmap=True)["global_step"])
-    except Exception:  # noqa: BLE001 - any unreadable file is the same user problem: no snapshot to match
-        return None

@@ -6,10 +6,12 @@ from typing import Any
 
 import torch
 from lightning.pytorch.strategies import SingleDeviceStrategy
+from typing_extensions import override
 
+from parallelkit.capabilities import LIGHTNING_BACKWARD, REPLICATED_PARAMS, SPARSE_GRADIENTS
 from parallelkit.distributed.checkpoint_io import is_sharded_checkpoint, load_into_single_process
 from parallelkit.distributed.parallel_dims import ParallelDims
-from parallelkit.strategies.base import LIGHTNING_BACKWARD, REPLICATED_PARAMS, SPARSE_GRADIENTS, ParallelKitStrategyMixin
+from parallelkit.strategies.base import ParallelKitStrategyMixin
 
 
 class SingleStrategy(ParallelKitStrategyMixin, SingleDeviceStrategy):
@@ -32,14 +34,17 @@ class SingleStrategy(ParallelKitStrategyMixin, SingleDeviceStrategy):
         self._init_parallelkit()
         self._device_given = device is not None
 
+    @override
     def bind_accelerator(self, accelerator: str) -> None:
         """Pick the device for ``trainer.accelerator`` unless one was given explicitly."""
         if not self._device_given:
             self._root_device = torch.device("cuda", 0) if accelerator == "gpu" else torch.device("cpu")
 
+    @override
     def _requested_dims(self, world_size: int) -> ParallelDims:
         return ParallelDims(world_size=1)
 
+    @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """Also resumes from a sharded checkpoint directory written by a multi-rank run (gathered here)."""
         if is_sharded_checkpoint(checkpoint_path):

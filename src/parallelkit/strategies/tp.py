@@ -6,13 +6,14 @@ import contextlib
 from typing import Any, Callable
 
 import torch
+from typing_extensions import override
 
+from parallelkit.capabilities import LIGHTNING_BACKWARD
 from parallelkit.distributed.grad_sync import apply_grad_allreduce
 from parallelkit.distributed.parallel_dims import DP, TP, ParallelDims
 from parallelkit.distributed.tensor_parallel import TensorParallel, TensorParallelPlan, apply_tp
 from parallelkit.errors import ConfigError
 from parallelkit.models.plans import model_plans
-from parallelkit.strategies.base import LIGHTNING_BACKWARD
 from parallelkit.strategies.mesh import MeshStrategy
 
 def say_if_experts_replicated(model: torch.nn.Module, source: Any, who: str) -> None:
@@ -108,6 +109,7 @@ class TensorParallelStrategy(TensorParallelSteps, MeshStrategy):
         self.tensor_parallel: TensorParallel | None = None
 
     # ---------------------------------------------------------------- planning (before launch)
+    @override
     def _requested_dims(self, world_size: int) -> ParallelDims:
         tp = self._degrees[TP]
         if isinstance(tp, int) and not isinstance(tp, bool) and tp > world_size:
@@ -117,6 +119,7 @@ class TensorParallelStrategy(TensorParallelSteps, MeshStrategy):
             )
         return super()._requested_dims(world_size)
 
+    @override
     def check_model(self, model: torch.nn.Module, world_size: int) -> None:
         """Raise :class:`ConfigError` if ``model`` cannot be split as planned (called before launch)."""
         self._plan_for(model, self.plan(world_size).tp)
@@ -126,6 +129,7 @@ class TensorParallelStrategy(TensorParallelSteps, MeshStrategy):
         return model_plans(model, self.plan_source).tensor_parallel_plan(tp, sequence_parallel=self.sequence_parallel, who="strategy=tp")
 
     # ---------------------------------------------------------------- composition
+    @override
     def parallelize(self, model: torch.nn.Module) -> None:
         # Order: tensor parallel first (parameters become DTensors), then data parallel over the dp axis,
         # which averages each rank's local shards. After backward, partial-sum gradients are completed

@@ -12,16 +12,18 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from typing_extensions import override
 
+from parallelkit.capabilities import LIGHTNING_BACKWARD, REPLICATED_PARAMS
 from parallelkit.distributed.checkpoint_io import fqn_optimizer_states, load_unsharded
 from parallelkit.distributed.blocks import select_units
+from parallelkit.distributed.elastic import DEFAULT_TIMEOUT_S
 from parallelkit.distributed.fsdp import apply_fsdp, is_sharded
 from parallelkit.distributed.grad_sync import apply_grad_allreduce
 from parallelkit.distributed.parallel_dims import DP, SHARDING, ParallelDims
 from parallelkit.distributed.zero_optimizer import ZeroOptimizer
 from parallelkit.errors import ConfigError
-from parallelkit.strategies.base import LIGHTNING_BACKWARD, REPLICATED_PARAMS
-from parallelkit.strategies.mesh import DEFAULT_TIMEOUT_S, MeshStrategy
+from parallelkit.strategies.mesh import MeshStrategy
 
 OFFLOAD_CHOICES = ("none", "optimizer", "params")
 
@@ -99,6 +101,7 @@ class ZeroStrategy(MeshStrategy):
         self.zero_optimizers: list[ZeroOptimizer] = []
 
     # ---------------------------------------------------------------- planning
+    @override
     def _requested_dims(self, world_size: int) -> ParallelDims:
         if self.stage == 0:
             return ParallelDims.from_degrees(world_size, dp=-1)
@@ -112,6 +115,7 @@ class ZeroStrategy(MeshStrategy):
         return ParallelDims.from_degrees(world_size, dp=world_size // group, sharding=group)
 
     # ---------------------------------------------------------------- composition
+    @override
     def parallelize(self, model: torch.nn.Module) -> None:
         dims = self.parallel_dims
         if self.stage == 0:
@@ -139,6 +143,7 @@ class ZeroStrategy(MeshStrategy):
             return []
         return select_units(model, shard_modules=self.shard_modules, min_params=self.shard_min_params)
 
+    @override
     def shard_optimizers(self) -> None:
         if self.stage not in (1, 2):
             return
@@ -164,11 +169,13 @@ class ZeroStrategy(MeshStrategy):
             self.zero_optimizers.append(zero)
             self.grad_syncs.append(_ReduceGradients(zero))
 
+    @override
     def after_optimizer_step(self) -> None:
         for zero in self.zero_optimizers:
             zero.all_gather_params()
 
     # ---------------------------------------------------------------- accounting
+    @override
     def model_state_bytes(self) -> dict[str, int]:
         if not self.zero_optimizers:
             return super().model_state_bytes()
@@ -179,10 +186,12 @@ class ZeroStrategy(MeshStrategy):
         return totals
 
     # ---------------------------------------------------------------- checkpoints
+    @override
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
         zero = self._zero_for(optimizer)
         return zero.full_state_dict() if zero is not None else super().optimizer_state(optimizer)
 
+    @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         if not self.zero_optimizers and self.stage != 0:
             return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
