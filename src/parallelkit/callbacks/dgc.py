@@ -2,22 +2,21 @@
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import lightning.pytorch as pl
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from parallelkit.callbacks.base import ParallelKitCallback
+from parallelkit.callbacks.comm_hook import CommHookCallback
 from parallelkit.callbacks.run_summary import log_step_metrics
-from parallelkit.capabilities import DDP_COMM_HOOK, require_capabilities
 from parallelkit.distributed.dgc import DEFAULT_SPARSITY, DGCState, dgc_hook
 from parallelkit.errors import ConfigError
 
 OWNER = "callbacks=[dgc]"
 
 
-class DeepGradientCompression(ParallelKitCallback):
+class DeepGradientCompression(CommHookCallback):
     """Send only the top ``1 − sparsity`` of each rank's accumulated gradient (Lin et al., ICLR 2018).
 
     Installs :func:`~parallelkit.distributed.dgc.dgc_hook` as the strategy's DDP comm hook, so it needs a
@@ -44,6 +43,8 @@ class DeepGradientCompression(ParallelKitCallback):
         python train.py callbacks=[dgc] optim=sgd callbacks.dgc.sparsity=[0.75,0.99,0.999] trainer.devices=2
     """
 
+    owner = OWNER
+
     def __init__(
         self,
         sparsity: Sequence[float] = DEFAULT_SPARSITY,
@@ -68,6 +69,7 @@ class DeepGradientCompression(ParallelKitCallback):
         if momentum_correction is False and momentum_masking:
             raise ConfigError("callbacks.dgc.momentum_masking=true needs momentum correction (it masks the momentum the hook keeps); "
                               "set callbacks.dgc.momentum_correction=true (with optim=sgd) or momentum_masking=null.")
+        super().__init__()
         self.sparsity = [float(s) for s in sparsity]
         self.rampup_begin_step = rampup_begin_step
         self.rampup_steps = rampup_steps
@@ -82,22 +84,12 @@ class DeepGradientCompression(ParallelKitCallback):
         self._dense = 0.0
         self._steady_sent = 0.0
         self._steady_dense = 0.0
-        self._steps = 0
         self._compressed_steps = 0
-        self._seen_step = -1
 
     # ---------------------------------------------------------------- setup
     @override
-    def check_strategy(self, strategy: Any, dims: Any = None) -> None:
-        """Before any process starts: the strategy must average gradients through a DDP comm hook."""
-        require_capabilities(strategy, OWNER, {DDP_COMM_HOOK: "it replaces the gradient all-reduce with a DDP comm hook"})
-        strategy.reserve_comm_hook(OWNER)
-
-    @override
-    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        strategy = trainer.strategy
-        self.check_strategy(strategy)
-        self.state = DGCState(
+    def build_hook(self, strategy: Any) -> tuple[Callable, DGCState]:
+        return dgc_hook, DGCState(
             strategy.data_parallel_group,
             sparsity=self.sparsity,
             rampup_begin_step=self.rampup_begin_step,
@@ -109,7 +101,6 @@ class DeepGradientCompression(ParallelKitCallback):
             dense_min_numel=self.dense_min_numel,
             stats=strategy.comm_stats,
         )
-        strategy.use_comm_hook(dgc_hook, self.state, OWNER)
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -183,12 +174,10 @@ class DeepGradientCompression(ParallelKitCallback):
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
-        step = trainer.global_step - 1
-        if step == self._seen_step or step < 0:
-            return  # no optimizer step finished (gradient accumulation)
-        self._seen_step = step
+        step = self._finished_step(trainer)
+        if step is None:
+            return
         sent, dense = self.state.step_sent_bytes, self.state.step_dense_bytes
-        self._steps += 1
         self._sent += sent
         self._dense += dense
         sparsity = self.state.sparsity_at(step)

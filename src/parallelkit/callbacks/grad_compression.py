@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import lightning.pytorch as pl
 from typing_extensions import override
 
-from parallelkit.callbacks.base import ParallelKitCallback
+from parallelkit.callbacks.comm_hook import CommHookCallback
 from parallelkit.callbacks.run_summary import log_step_metrics
-from parallelkit.capabilities import DDP_COMM_HOOK, require_capabilities
 from parallelkit.distributed.comm_hooks import COMPRESSION_METHODS, GRAD_ALLREDUCE, GRAD_HOOK_INPUT, POWERSGD_ALLREDUCE, build_compression_hook
 from parallelkit.errors import ConfigError
 
@@ -17,7 +16,7 @@ OWNER = "callbacks=[grad_compression]"
 _KINDS = (GRAD_ALLREDUCE, POWERSGD_ALLREDUCE, GRAD_HOOK_INPUT)
 
 
-class GradCompression(ParallelKitCallback):
+class GradCompression(CommHookCallback):
     """Compress the DDP gradient all-reduce with ``method``:
 
     - ``fp16``: gradients travel in fp16 (half the bytes; every backend);
@@ -42,6 +41,8 @@ class GradCompression(ParallelKitCallback):
         python train.py callbacks=[grad_compression] callbacks.grad_compression.method=powersgd trainer.devices=2
     """
 
+    owner = OWNER
+
     def __init__(self, method: str = "fp16", powersgd_rank: int = 1, start_iter: int = 10, min_compression_rate: float = 2.0,
                  use_error_feedback: bool = True, warm_start: bool = True) -> None:
         if method not in COMPRESSION_METHODS:
@@ -51,30 +52,20 @@ class GradCompression(ParallelKitCallback):
         if not isinstance(start_iter, int) or start_iter < 0 or ((use_error_feedback or warm_start) and start_iter <= 1 and method == "powersgd"):
             raise ConfigError(f"callbacks.grad_compression.start_iter should be an int > 1 with error feedback or warm start "
                               f"(torch's PowerSGD requires it). Got {start_iter!r}.")
+        super().__init__()
         self.method = method
         self.powersgd = {"matrix_approximation_rank": powersgd_rank, "start_powerSGD_iter": start_iter,
                          "min_compression_rate": min_compression_rate, "use_error_feedback": use_error_feedback,
                          "warm_start": warm_start}
-        self.state = None
-        self._steps = 0
-        self._seen_step = -1
         self._last = (0.0, 0.0)
 
     @override
-    def check_strategy(self, strategy: Any, dims: Any = None) -> None:
-        require_capabilities(strategy, OWNER, {DDP_COMM_HOOK: "it replaces the gradient all-reduce with a DDP comm hook"})
-        strategy.reserve_comm_hook(OWNER)
-
-    @override
-    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        strategy = trainer.strategy
-        self.check_strategy(strategy)
+    def build_hook(self, strategy: Any) -> tuple[Callable, Any]:
         try:
-            hook, self.state = build_compression_hook(self.method, strategy.data_parallel_group, strategy.comm_stats,
-                                                      **(self.powersgd if self.method == "powersgd" else {}))
-        except ValueError as err:
+            return build_compression_hook(self.method, strategy.data_parallel_group, strategy.comm_stats,
+                                          **(self.powersgd if self.method == "powersgd" else {}))
+        except ValueError as err:  # e.g. bf16 on gloo: torch's own words, named after the option that chose it
             raise ConfigError(f"callbacks.grad_compression.method={self.method}: {err}.") from None
-        strategy.use_comm_hook(hook, self.state, OWNER)
 
     def _bytes(self, trainer: pl.Trainer) -> tuple[float, float]:
         stats = trainer.strategy.comm_stats
@@ -82,11 +73,8 @@ class GradCompression(ParallelKitCallback):
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
-        step = trainer.global_step - 1
-        if step == self._seen_step or step < 0:
+        if self._finished_step(trainer) is None:
             return
-        self._seen_step = step
-        self._steps += 1
         now = self._bytes(trainer)
         sent, dense = now[0] - self._last[0], now[1] - self._last[1]
         self._last = now

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import lightning.pytorch as pl
 from typing_extensions import override
 
-from parallelkit.callbacks.base import ParallelKitCallback
+from parallelkit.callbacks.comm_hook import CommHookCallback
 from parallelkit.callbacks.run_summary import log_step_metrics
-from parallelkit.capabilities import DDP_COMM_HOOK, require_capabilities
 from parallelkit.distributed.comm_stats import collective_bytes
 from parallelkit.distributed.hierarchical_allreduce import INTER, INTRA, build_hierarchical_state, hierarchical_allreduce_hook
 from parallelkit.errors import ConfigError
@@ -17,7 +16,7 @@ from parallelkit.errors import ConfigError
 OWNER = "callbacks=[hierarchical_allreduce]"
 
 
-class HierarchicalAllReduce(ParallelKitCallback):
+class HierarchicalAllReduce(CommHookCallback):
     """Average gradients in three stages over groups of ``local_size`` ranks (simulated nodes on one machine).
 
     Installs :func:`~parallelkit.distributed.hierarchical_allreduce.hierarchical_allreduce_hook` as the
@@ -32,32 +31,31 @@ class HierarchicalAllReduce(ParallelKitCallback):
         python train.py callbacks=[hierarchical_allreduce] callbacks.hierarchical_allreduce.local_size=2 trainer.devices=4
     """
 
+    owner = OWNER
+
     def __init__(self, local_size: int = 2) -> None:
         if not isinstance(local_size, int) or isinstance(local_size, bool) or local_size < 1:
             raise ConfigError(f"callbacks.hierarchical_allreduce.local_size should be an int >= 1 (ranks per node). Got {local_size!r}.")
+        super().__init__()
         self.local_size = local_size
-        self.state = None
         self._grad_bytes = 0
-        self._steps = 0
-        self._seen_step = -1
         self._last = (0, 0)
 
     @override
-    def check_strategy(self, strategy: Any, dims: Any = None) -> None:
-        require_capabilities(strategy, OWNER, {DDP_COMM_HOOK: "it replaces the gradient all-reduce with a DDP comm hook"})
-        if dims is not None and dims.data_parallel_size % self.local_size:
+    def check_degrees(self, dims: Any) -> None:
+        if dims.data_parallel_size % self.local_size:
             raise ConfigError(
                 f"callbacks.hierarchical_allreduce.local_size={self.local_size} does not divide the {dims.data_parallel_size} "
                 "data-parallel ranks into equal groups; use a divisor of it (e.g. local_size=2 with trainer.devices=4)."
             )
-        strategy.reserve_comm_hook(OWNER)
 
     @override
-    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        strategy = trainer.strategy
-        self.check_strategy(strategy, strategy.parallel_dims)
-        self.state = build_hierarchical_state(self.local_size, strategy.data_parallel_group, strategy.comm_stats)
-        strategy.use_comm_hook(hierarchical_allreduce_hook, self.state, OWNER)
+    def dims_at_setup(self, strategy: Any) -> Any:
+        return strategy.parallel_dims
+
+    @override
+    def build_hook(self, strategy: Any) -> tuple[Callable, Any]:
+        return hierarchical_allreduce_hook, build_hierarchical_state(self.local_size, strategy.data_parallel_group, strategy.comm_stats)
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -71,11 +69,8 @@ class HierarchicalAllReduce(ParallelKitCallback):
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
-        step = trainer.global_step - 1
-        if step == self._seen_step or step < 0:
+        if self._finished_step(trainer) is None:
             return
-        self._seen_step = step
-        self._steps += 1
         now = self._bytes(trainer)
         intra, inter = now[0] - self._last[0], now[1] - self._last[1]
         self._last = now

@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import lightning.pytorch as pl
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from parallelkit.callbacks.base import ParallelKitCallback
+from parallelkit.callbacks.comm_hook import CommHookCallback
 from parallelkit.callbacks.run_summary import log_step_metrics
-from parallelkit.capabilities import DDP_COMM_HOOK, REPLICATED_PARAMS, require_capabilities
+from parallelkit.capabilities import DDP_COMM_HOOK, REPLICATED_PARAMS
 from parallelkit.distributed.comm_stats import collective_bytes
 from parallelkit.distributed.local_sgd import GRAD_ALLREDUCE, PARAM_AVERAGE, LocalSGD, LocalSGDState, local_sgd_hook
 from parallelkit.errors import ConfigError
@@ -18,7 +18,7 @@ from parallelkit.errors import ConfigError
 OWNER = "callbacks=[local_sgd]"
 
 
-class LocalSGDCallback(ParallelKitCallback):
+class LocalSGDCallback(CommHookCallback):
     """Ranks step on their own gradients and average parameters every ``k_steps`` optimizer steps.
 
     Installs :func:`~parallelkit.distributed.local_sgd.local_sgd_hook` as the DDP comm hook, which sends
@@ -40,6 +40,12 @@ class LocalSGDCallback(ParallelKitCallback):
         python train.py callbacks=[local_sgd] callbacks.local_sgd.k_steps=8 callbacks.local_sgd.begin_step=100 trainer.devices=2
     """
 
+    owner = OWNER
+    needs = {
+        DDP_COMM_HOOK: "it switches the gradient all-reduce off during local steps through a DDP comm hook",
+        REPLICATED_PARAMS: "it averages full parameter replicas",
+    }
+
     def __init__(self, k_steps: int = 4, begin_step: int = 0, adaptive: bool = False, max_period: int = 64) -> None:
         for name, value, low in (("k_steps", k_steps, 1), ("begin_step", begin_step, 0), ("max_period", max_period, 1)):
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
@@ -48,35 +54,22 @@ class LocalSGDCallback(ParallelKitCallback):
             raise ConfigError(f"callbacks.local_sgd.max_period ({max_period}) should be >= k_steps ({k_steps}).")
         if not adaptive and max_period != 64:
             raise ConfigError("callbacks.local_sgd.max_period only applies with adaptive=true; set adaptive=true or leave max_period at 64.")
+        super().__init__()
         self.k_steps = k_steps
         self.begin_step = begin_step
         self.adaptive = bool(adaptive)
         self.max_period = max_period
-        self.state: LocalSGDState | None = None
         self.local: LocalSGD | None = None
         self._loaded: dict | None = None
         self._step_loss = 0.0
-        self._seen_step = -1
-        self._steps = 0
         self._sent = 0.0
         self._dense_step_bytes = 0.0
         self._last_bytes = 0
 
     # ---------------------------------------------------------------- setup
     @override
-    def check_strategy(self, strategy: Any, dims: Any = None) -> None:
-        """Before any process starts: DDP's gradient all-reduce must be switchable, and replicas averageable."""
-        require_capabilities(strategy, OWNER, {
-            DDP_COMM_HOOK: "it switches the gradient all-reduce off during local steps through a DDP comm hook",
-            REPLICATED_PARAMS: "it averages full parameter replicas",
-        })
-        strategy.reserve_comm_hook(OWNER)
-
-    @override
-    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self.check_strategy(trainer.strategy)
-        self.state = LocalSGDState(trainer.strategy.data_parallel_group, trainer.strategy.comm_stats)
-        trainer.strategy.use_comm_hook(local_sgd_hook, self.state, OWNER)
+    def build_hook(self, strategy: Any) -> tuple[Callable, LocalSGDState]:
+        return local_sgd_hook, LocalSGDState(strategy.data_parallel_group, strategy.comm_stats)
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -112,16 +105,14 @@ class LocalSGDCallback(ParallelKitCallback):
         loss = outputs["loss"] if isinstance(outputs, dict) else outputs
         if loss is not None:  # Lightning scales micro-batch losses by 1/accumulate: their sum is the step's mean
             self._step_loss += float(loss.detach())
-        step = trainer.global_step - 1
-        if step == self._seen_step or step < 0:
+        step = self._finished_step(trainer)
+        if step is None:
             return
-        self._seen_step = step
         last = trainer.max_steps is not None and 0 < trainer.max_steps <= trainer.global_step
         synced = self.local.after_step(step, self._step_loss, force=last)
         self._step_loss = 0.0
         now = self._bytes(trainer)
         sent, self._last_bytes = now - self._last_bytes, now
-        self._steps += 1
         self._sent += sent
         log_step_metrics(trainer, {"local_sgd_synced": float(synced), "local_sgd_period": float(self.local.period),
                                    "local_sgd_bytes_sent": float(sent)})

@@ -24,6 +24,7 @@ step (:class:`Hybrid4DPipelineStrategy`). ``strategy=hybrid4d`` builds the right
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -34,7 +35,7 @@ from parallelkit.capabilities import LIGHTNING_BACKWARD
 from parallelkit.distributed.elastic import DEFAULT_TIMEOUT_S
 from parallelkit.distributed.expert_parallel import ExpertParallelHandle, ExpertParallelPlan, apply_ep, check_expert_parallel
 from parallelkit.distributed.fsdp import apply_fsdp
-from parallelkit.distributed.grad_sync import apply_grad_allreduce
+from parallelkit.distributed.grad_sync import GradAllReduce, apply_grad_allreduce
 from parallelkit.distributed.parallel_dims import DEFAULT_MESH_ORDER, DP, PP, SHARDING, TP, ParallelDims
 from parallelkit.distributed.tensor_parallel import apply_tp
 from parallelkit.errors import ConfigError
@@ -81,67 +82,88 @@ def expert_plan_if_moe(model: torch.nn.Module, source: Any = None) -> ExpertPara
     return plan if plan is not None and plan.sites else None
 
 
-def compose_before_pipeline(strategy: Any, model: torch.nn.Module) -> None:
-    """Steps 1-4 of the module docstring's order, on ``strategy``'s mesh (in place).
+@dataclass
+class Composition:
+    """What composing the techniques made, for the strategy to keep (:meth:`HybridParts._adopt`, the one place
+    it does): returned rather than set on the strategy, so each step's inputs and results are its signature."""
+
+    tensor_parallel: Any = None  # apply_tp's handle: the TP context of the step, and the TP gradient sync
+    ep_handle: ExpertParallelHandle | None = None
+    expert_dp_group: Any = None  # the ranks holding the same experts
+    grad_syncs: list[GradAllReduce] = field(default_factory=list)  # in the order they run after backward
+
+
+@dataclass(frozen=True)
+class HybridOptions:
+    """The strategy options the composition reads."""
+
+    plan_source: str | None
+    sequence_parallel: bool
+    per_block: bool
+    reshard_after_forward: bool
+
+
+def compose_before_pipeline(model: torch.nn.Module, dims: ParallelDims, mesh: Any, options: HybridOptions,
+                            comm_stats: Any) -> Composition:
+    """Steps 1-4 of the module docstring's order on ``mesh`` (the model in place); returns the handles.
 
     TP first: EP, FSDP2 and the pipeline cut must see the DTensor parameters TP makes. EP next, on the whole
     model: the pipeline cut then keeps the local experts of this rank's stages. The TP gradient sync
-    (partial sums under sequence parallel) is appended to ``grad_syncs`` before any data-parallel average,
+    (partial sums under sequence parallel) comes first in ``grad_syncs``, before any data-parallel average,
     which averages each rank's local shards. With a pipeline, step 4 runs on the stages after the cut.
     """
-    dims: ParallelDims = strategy.parallel_dims
-    mesh = strategy.device_mesh
+    done = Composition()
     # 1. TP
     if dims.tp > 1:
-        plan = model_plans(model, strategy.plan_source).tensor_parallel_plan(
-            dims.tp, sequence_parallel=strategy.sequence_parallel, who=f"strategy=hybrid4d with strategy.tp={dims.tp}")
-        strategy.tensor_parallel = apply_tp(model, mesh[TP], plan, comm_stats=strategy.comm_stats)
-        strategy.grad_syncs.append(strategy.tensor_parallel)
+        plan = model_plans(model, options.plan_source).tensor_parallel_plan(
+            dims.tp, sequence_parallel=options.sequence_parallel, who=f"strategy=hybrid4d with strategy.tp={dims.tp}")
+        done.tensor_parallel = apply_tp(model, mesh[TP], plan, comm_stats=comm_stats)
+        done.grad_syncs.append(done.tensor_parallel)
     # 2. EP: also at ep == 1 for an MoE model, so that capacity is decided over all data-parallel ranks.
-    expert_plan = expert_plan_if_moe(model, strategy.plan_source)
+    expert_plan = expert_plan_if_moe(model, options.plan_source)
     if expert_plan is not None:
         # new_subgroups_by_enumeration is collective: every rank creates every group, in this order.
         ep_group, _ = dist.new_subgroups_by_enumeration(dims.expert_parallel_groups())
-        strategy.expert_dp_group, _ = dist.new_subgroups_by_enumeration(dims.expert_data_parallel_groups())
+        done.expert_dp_group, _ = dist.new_subgroups_by_enumeration(dims.expert_data_parallel_groups())
         routing_group, _ = dist.new_subgroups_by_enumeration(dims.data_parallel_groups())
-        strategy.ep_handle = apply_ep(model, expert_plan, ep_group=ep_group, routing_group=routing_group, comm_stats=strategy.comm_stats)
+        done.ep_handle = apply_ep(model, expert_plan, ep_group=ep_group, routing_group=routing_group, comm_stats=comm_stats)
     # 3. recompute: run.py, before the strategy.
     # 4. sharding / DP: on the whole model here; with a pipeline, on this rank's stages once they are cut
     # (PipelineStrategy calls apply_data_parallel).
     if dims.pp == 1:
-        apply_data_parallel(strategy, [model])
+        done.grad_syncs += apply_data_parallel([model], dims, mesh, options, comm_stats, done.ep_handle, done.expert_dp_group)
+    return done
 
 
-def apply_data_parallel(strategy: Any, modules: list[torch.nn.Module]) -> None:
-    """Step 4 for ``modules`` (the model, or its pipeline stages).
+def apply_data_parallel(modules: list[torch.nn.Module], dims: ParallelDims, mesh: Any, options: HybridOptions, comm_stats: Any,
+                        ep_handle: ExpertParallelHandle | None = None, expert_dp_group: Any = None) -> list[GradAllReduce]:
+    """Step 4 for ``modules`` (the model, or its pipeline stages); returns the gradient syncs it adds.
 
     Dense parameters: FSDP2 over the ``(dp, sharding)`` sub-mesh when ``sharding > 1`` (HSDP if ``dp > 1``
     too), else plain gradient averaging over ``dp``. Expert parameters (EP keeps different ones on the ranks
-    of an expert-parallel group) are left out of FSDP2 and averaged over the ranks that hold the same ones.
+    of an expert-parallel group, ``ep_handle``) are left out of FSDP2 and averaged over ``expert_dp_group``,
+    the ranks that hold the same ones.
     """
-    dims: ParallelDims = strategy.parallel_dims
-    mesh = strategy.device_mesh
-    handle: ExpertParallelHandle | None = strategy.ep_handle
-    expert_ids = {id(p) for p in handle.expert_params} if handle is not None else set()
+    expert_ids = {id(p) for p in ep_handle.expert_params} if ep_handle is not None else set()
     params = [p for module in modules for p in module.parameters() if p.requires_grad]
     experts = [p for p in params if id(p) in expert_ids]
     dense = [p for p in params if id(p) not in expert_ids]
+    syncs: list[GradAllReduce] = []
     if dims.sharding > 1:
         for module in modules:
             apply_fsdp(
                 module,
                 mesh[(DP, SHARDING)] if dims.dp > 1 else mesh[SHARDING],
-                units=None if strategy.per_block else [],
-                reshard_after_forward=strategy.reshard_after_forward,
+                units=None if options.per_block else [],
+                reshard_after_forward=options.reshard_after_forward,
                 ignored_params=set(experts) or None,
-                comm_stats=strategy.comm_stats,
+                comm_stats=comm_stats,
             )
     else:
-        strategy.grad_syncs.append(apply_grad_allreduce(dense, mesh[DP].get_group(), comm_stats=strategy.comm_stats))
+        syncs.append(apply_grad_allreduce(dense, mesh[DP].get_group(), comm_stats=comm_stats))
     if experts:
-        strategy.grad_syncs.append(
-            apply_grad_allreduce(experts, strategy.expert_dp_group, comm_stats=strategy.comm_stats, kind=EXPERT_GRAD_ALLREDUCE)
-        )
+        syncs.append(apply_grad_allreduce(experts, expert_dp_group, comm_stats=comm_stats, kind=EXPERT_GRAD_ALLREDUCE))
+    return syncs
 
 
 def resolve_reshard_after_forward(value: bool | None, pp: int) -> bool:
@@ -167,6 +189,21 @@ class HybridParts:
         self.reshard_after_forward = resolve_reshard_after_forward(reshard_after_forward, self._degrees[PP])
         self.tensor_parallel = None
         self.ep_handle = None
+
+    def _options(self) -> HybridOptions:
+        return HybridOptions(self.plan_source, self.sequence_parallel, self.per_block, self.reshard_after_forward)
+
+    def _compose(self, model: torch.nn.Module) -> None:
+        """Steps 1-4 (1-2 with a pipeline) on the whole model, their handles kept."""
+        self._adopt(compose_before_pipeline(model, self.parallel_dims, self.device_mesh, self._options(), self.comm_stats))
+
+    def _adopt(self, done: Composition) -> None:
+        # The one place the composition's results become the strategy's (the TP context of the step, the
+        # expert bookkeeping of checkpoints and summaries, and the gradient syncs run after backward).
+        self.tensor_parallel = done.tensor_parallel
+        self.ep_handle = done.ep_handle
+        self.expert_dp_group = done.expert_dp_group
+        self.grad_syncs.extend(done.grad_syncs)
 
     def default_devices(self, accelerator: str) -> int:
         """On CPU without ``trainer.devices``: the smallest world the degrees fit (a ``-1`` degree takes 1)."""
@@ -240,7 +277,7 @@ class Hybrid4DStrategy(HybridParts, TensorParallelSteps, MeshStrategy):
 
     @override
     def parallelize(self, model: torch.nn.Module) -> None:
-        compose_before_pipeline(self, model)
+        self._compose(model)
 
 
 class Hybrid4DPipelineStrategy(HybridParts, TensorParallelSteps, PipelineStrategy):
@@ -263,12 +300,13 @@ class Hybrid4DPipelineStrategy(HybridParts, TensorParallelSteps, PipelineStrateg
 
     @override
     def parallelize(self, model: torch.nn.Module) -> None:
-        compose_before_pipeline(self, model)  # 1-3 (TP, EP) on the whole model
+        self._compose(model)  # 1-3 (TP, EP) on the whole model
         super().parallelize(model)  # 5. PP: cut into this rank's stages, 4. sharding/DP on them, then the schedule
 
     @override
-    def apply_data_parallel(self, stage_modules: list[torch.nn.Module]) -> None:
-        apply_data_parallel(self, stage_modules)
+    def apply_data_parallel(self, stage_modules: list[torch.nn.Module]) -> list[GradAllReduce]:
+        return apply_data_parallel(stage_modules, self.parallel_dims, self.device_mesh, self._options(), self.comm_stats,
+                                   self.ep_handle, self.expert_dp_group)
 
     @override
     def _loss_from_last_stage(self, loss: torch.Tensor | None) -> torch.Tensor:

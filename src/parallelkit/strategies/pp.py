@@ -30,7 +30,7 @@ from typing_extensions import override
 
 from parallelkit.distributed.comm_stats import REPORT
 from parallelkit.distributed.elastic import DEFAULT_TIMEOUT_S
-from parallelkit.distributed.grad_sync import apply_grad_allreduce
+from parallelkit.distributed.grad_sync import GradAllReduce, apply_grad_allreduce
 from parallelkit.distributed.parallel_dims import DEFAULT_MESH_ORDER, DP, PP
 from parallelkit.distributed.pipeline_parallel import (
     PipelineParallel,
@@ -175,7 +175,7 @@ class PipelineStrategy(MeshStrategy):
         stage_modules = plans.pipeline_stages(blocks, stage_ids)  # drops the other stages' modules
         # Data parallelism before the stages are wrapped: FSDP2 must shard the modules the schedule runs
         # (the stage then drives FSDP's gradient reduction once per step, after the last micro-batch).
-        self.apply_data_parallel(stage_modules)
+        self.grad_syncs.extend(self.apply_data_parallel(stage_modules))
         self.pipeline = apply_pp(
             stage_modules, stage_ids, num_stages, self.device_mesh.get_group(PP),
             microbatches=self.microbatches, schedule=self.schedule, loss_fn=loss_fn,
@@ -184,13 +184,14 @@ class PipelineStrategy(MeshStrategy):
         self._params = [p for p in model.parameters() if p.requires_grad]
         self._blocks = [[b.start, b.stop] for b in blocks]
 
-    def apply_data_parallel(self, stage_modules: list[torch.nn.Module]) -> None:
-        """Data parallel on the remaining ranks: each stage's gradients averaged over its ``dp`` peers.
+    def apply_data_parallel(self, stage_modules: list[torch.nn.Module]) -> list[GradAllReduce]:
+        """Data parallel on the remaining ranks: each stage's gradients averaged over its ``dp`` peers; returns the
+        gradient syncs for :meth:`parallelize` to keep.
 
         A hybrid strategy overrides this to shard the stages instead (FSDP2 over ``(dp, sharding)``).
         """
         params = [p for m in stage_modules for p in m.parameters() if p.requires_grad]
-        self.grad_syncs.append(apply_grad_allreduce(params, self.device_mesh.get_group(DP), comm_stats=self.comm_stats))
+        return [apply_grad_allreduce(params, self.device_mesh.get_group(DP), comm_stats=self.comm_stats)]
 
     # ---------------------------------------------------------------- the step
     @override
