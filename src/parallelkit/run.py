@@ -19,7 +19,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from parallelkit import local_launch, startup_gc
-from parallelkit.capabilities import SERVER_TABLES, SPARSE_GRADIENTS
+from parallelkit.capabilities import DDP_COMM_HOOK, SERVER_TABLES, SPARSE_GRADIENTS
 from parallelkit.distributed.compile import apply_compile
 from parallelkit.distributed.elastic import restart_count
 from parallelkit.distributed.recompute import apply_recompute
@@ -191,14 +191,15 @@ def fit_gradients_to_run(module: Any, cfg: DictConfig, strategy: Any, callbacks:
     says so; ``model.sparse=true`` set on the command line is an error instead (:mod:`parallelkit.optim`)."""
     from lightning.pytorch.utilities import rank_zero_info
 
-    from parallelkit.callbacks.base import ParallelKitCallback
+    from parallelkit.callbacks.comm_hook import CommHookCallback
     from parallelkit.optim import sparse_embeddings
 
     explicit = any(o.lstrip("+").startswith("model.sparse=") and o.split("=", 1)[1].lower() == "true" for o in chosen_on_command_line("model"))
     if getattr(strategy, "supports", lambda _: False)(SPARSE_GRADIENTS):
         refuser, hint = None, "optim=adagrad or optim=sgd update only the rows of each batch"
     else:
-        hooks = [type(c).__name__ for c in callbacks if isinstance(c, ParallelKitCallback)]
+        # A strategy that takes sparse gradients but for a comm hook (DDP): the callbacks that installed one say why.
+        hooks = [c.owner for c in callbacks if isinstance(c, CommHookCallback)] if getattr(strategy, "supports", lambda _: False)(DDP_COMM_HOOK) else []
         refuser = f"{_label('strategy')}{' with ' + ', '.join(hooks) if hooks else ''}"
         hint = "strategy=single or strategy=ddp (without a comm hook) with optim=adagrad or optim=sgd update only the rows of each batch"
     dense = make_sparse_gradients_dense(module.model, module.optimizer_factory, _label("model"), refuser or _label("optim"), explicit,
