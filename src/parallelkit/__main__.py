@@ -3,21 +3,20 @@
 The same overrides and the same run as ``python train.py ...`` in the repository, from any directory, with
 the configs packaged with parallelkit (``pkg://parallelkit.conf``); a user's own config directory joins
 them with ``hydra.searchpath=[file://./my_conf]`` (then ``model=mynet`` picks ``my_conf/model/mynet.yaml``),
-and a user's own package in the working directory is importable by ``_target_`` (:func:`parallelkit.cli.hydra_main`).
+and a user's own package in the working directory is importable by ``_target_`` (:func:`parallelkit.launch.cli.hydra_main`).
 """
 
 from __future__ import annotations
 
-from parallelkit import startup_gc
-from parallelkit.local_launch import start_before_hydra
+from parallelkit.launch import local_ranks, startup_gc
 
 
 def main() -> None:
-    # The order of train.py, for the same reasons: no collector during the imports (parallelkit.startup_gc),
+    # The order of train.py, for the same reasons: no collector during the imports (parallelkit.launch.startup_gc),
     # and ranks 1..N-1 importing torch while this process imports Hydra and composes.
     startup_gc.pause()
-    start_before_hydra()
-    from parallelkit.cli import PACKAGED_CONFIGS, exit_after, hydra_main
+    local_ranks.prepare_process()
+    from parallelkit.launch.cli import PACKAGED_CONFIGS, exit_after, hydra_main
 
     exit_after(hydra_main(PACKAGED_CONFIGS))
 

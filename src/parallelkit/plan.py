@@ -65,7 +65,7 @@ def compose_config(overrides: list[str]) -> Any:
     (the configs parallelkit carries, ``parallelkit.conf``: the checkout's ``conf/`` in an editable install)."""
     from hydra import compose, initialize_config_module
 
-    from parallelkit.cli import register_resolvers
+    from parallelkit.launch.cli import register_resolvers
 
     register_resolvers()
     with initialize_config_module(config_module="parallelkit.conf", version_base="1.3"):

@@ -18,22 +18,18 @@ from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from parallelkit import local_launch, startup_gc
 from parallelkit.capabilities import DDP_COMM_HOOK, SERVER_TABLES, SPARSE_GRADIENTS
 from parallelkit.distributed.compile import apply_compile
 from parallelkit.distributed.elastic import restart_count
 from parallelkit.distributed.recompute import apply_recompute
 from parallelkit.errors import ConfigError
+from parallelkit.launch import local_ranks, startup_gc
 from parallelkit.models.contract import as_lightning_module, check_model_fits_data, import_target
 from parallelkit.models.plans import parallel_model
 from parallelkit.optim import check_optimizer, check_schedule, make_sparse_gradients_dense
 from parallelkit.run_dir import RunDirPlan, RunFinished
 from parallelkit.run_dir import plan as plan_dir
 from parallelkit.strategy_protocol import as_protocol
-
-# Environment variables Lightning's launcher (and parallelkit.distributed.listeners) sets for a job; a sweep's next
-# job must start without them.
-_LAUNCH_ENV = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE", "PL_GLOBAL_SEED", "GLOO_SOCKET_IFNAME", "TP_SOCKET_IFNAME")
 
 
 def build(node: Any, what: str, **kwargs: Any) -> Any:
@@ -222,7 +218,6 @@ def launching_rank_zero() -> bool:
 
 def run(cfg: DictConfig) -> dict[str, Any] | None:
     """Train as ``cfg`` says; return the summary on rank 0 (``None`` elsewhere)."""
-    saved_env = {k: os.environ.get(k) for k in _LAUNCH_ENV}
     finished = False
     try:
         result = _run(cfg)
@@ -238,11 +233,6 @@ def run(cfg: DictConfig) -> dict[str, Any] | None:
         startup_gc.resume()  # a run that failed while building (a sweep's next job must not start without it)
         # After a failure the other ranks may never reach a barrier: tear down without one.
         _teardown_process_group(barrier=finished)
-        for key, value in saved_env.items():  # the next job of a sweep starts clean
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 def _run(cfg: DictConfig) -> dict[str, Any] | None:
@@ -271,6 +261,8 @@ def _run(cfg: DictConfig) -> dict[str, Any] | None:
     strategy.bind_trainer_config(trainer_cfg)  # a strategy that applies Trainer settings itself checks them now
     devices = resolve_devices(trainer_cfg.pop("devices", None), strategy, accelerator)
     num_nodes = resolve_num_nodes(trainer_cfg.pop("num_nodes", 1), devices)
+    # This job's other local ranks build the same run alongside (unless started before Hydra, or by torchrun/SLURM).
+    local_ranks.ensure_started(devices, num_nodes)
     resolved = strategy.resolve(cfg, devices, num_nodes)  # strategy=auto: the hybrid4d layout it chose
     if resolved is not strategy:  # the chosen strategy gets the same bindings as the one that chose it
         strategy = as_protocol(resolved)
@@ -340,11 +332,11 @@ def _run(cfg: DictConfig) -> dict[str, Any] | None:
         )
     except (MisconfigurationException, TypeError) as err:
         raise ConfigError(f"The trainer settings do not work together: {err}") from None
-    # Everything that can fail on bad input has run: ranks started early may now go (no-op otherwise).
+    # Everything that can fail on bad input has run: rank 0 joins the process group inside fit, and only then
+    # do the other ranks (waiting in the rendezvous) go on.
     startup_gc.resume()
     if launching_rank_zero():
-        dir_plan.apply()  # moves what a resumed run recomputes into side files: the last step before the go
-    local_launch.release_or_wait()
+        dir_plan.apply()  # moves what a resumed run recomputes into side files: the last step before the rendezvous
     trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
     return summary.summary if trainer.is_global_zero else None
 

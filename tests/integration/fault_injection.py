@@ -231,7 +231,7 @@ class StallRank(Callback):
 
 class RequireCollector(Callback):
     """Fail the run if CPython's garbage collector is still off when training starts on this rank
-    (``parallelkit.startup_gc`` pauses it during start-up and must have turned it back on)."""
+    (``parallelkit.launch.startup_gc`` pauses it during start-up and must have turned it back on)."""
 
     def on_train_start(self, trainer, pl_module) -> None:
         import gc

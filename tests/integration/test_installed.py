@@ -126,7 +126,7 @@ def test_the_wheel_carries_every_config(installed):
 @pytest.mark.parametrize(
     "devices",
     [
-        ["trainer.devices=2"],  # rank 1 started before Hydra, handed the composed config (parallelkit.local_launch)
+        ["trainer.devices=2"],  # rank 1 started before Hydra, composing its own config (parallelkit.launch.local_ranks)
         [],  # the strategy's default (2 on CPU): Lightning's launcher re-runs the console script (parallelkit.launcher)
     ],
     ids=["early-start", "lightning-launcher"],

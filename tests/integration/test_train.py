@@ -133,7 +133,7 @@ def test_multirun_sweep_writes_one_summary_per_job(tmp_path):
 
 
 def test_multirun_with_early_started_ranks(single_reference, tmp_path):
-    """With an integer trainer.devices the ranks start before the heavy imports (parallelkit.local_launch);
+    """With an integer trainer.devices the ranks start before the heavy imports (parallelkit.launch.local_ranks);
     each job of a sweep must start its own ranks from a clean environment."""
     sweep = tmp_path / "sweep"
     proc = train(["-m", *TINY, "strategy=ddp,ddp_fp16", "trainer.devices=2", f"hydra.sweep.dir={sweep}"], cwd=tmp_path, timeout=300, cold=True)
@@ -158,7 +158,7 @@ def test_default_run_dir_is_deterministic(tmp_path):
 
 def test_collector_is_back_on_on_every_rank_when_training_starts(tmp_path):
     """train.py and an early-started rank pause the garbage collector for their start-up
-    (parallelkit.startup_gc); both must train with it on again. Real processes (cold): the entry points
+    (parallelkit.launch.startup_gc); both must train with it on again. Real processes (cold): the entry points
     themselves are what is tested."""
     import gc
 

@@ -1,4 +1,4 @@
-"""parallelkit.startup_gc: the collector is off between pause() and resume(), then on and frozen; a collector
+"""parallelkit.launch.startup_gc: the collector is off between pause() and resume(), then on and frozen; a collector
 the user turned off stays off."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import gc
 
 import pytest
 
-from parallelkit import startup_gc
+from parallelkit.launch import startup_gc
 
 
 @pytest.fixture(autouse=True)

@@ -161,13 +161,13 @@ class LocalSigterm(Callback):
                 return
             self._committed = True  # agreement_signal() now reports nothing more: this rank is leaving
             self._timer = None
-        from parallelkit import local_launch
+        from parallelkit.launch import local_ranks
 
         why = "a second signal" if again else f"no step boundary within {self.grace_s:g} s"
         rank = getattr(self._trainer, "global_rank", "?")
         print(f"parallelkit: rank {rank} stops on {signal.Signals(signum).name} without a checkpoint ({why}); "
               "the newest periodic checkpoint stays: resume with ckpt_path=last.", file=sys.stderr, flush=True)
-        local_launch.abort(grace_s=1.0)  # rank 0 of a local job: the ranks it started leave too (no-op elsewhere)
+        local_ranks.abort(grace_s=1.0)  # rank 0 of a local job: the ranks it started leave too (no-op elsewhere)
         sys.stdout.flush()
         os._exit(128 + signum)
 

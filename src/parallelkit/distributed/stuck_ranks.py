@@ -4,7 +4,7 @@ gloo's and NCCL's timeout errors do not say which peer never arrived. When a col
 rank that was waiting posts ``parallelkit/timed_out/RANK`` to the job's rendezvous store (a separate TCP
 connection, still up), waits a short grace period for the others to post theirs, and names the ranks that
 did not: they never reached the collective — stuck (a hang, a deadlock, a stalled file system) or far slower
-than the rest. A rank that *exited* is named by the launcher instead (``local_launch``).
+than the rest. A rank that *exited* is named by the launcher instead (:mod:`parallelkit.launch.local_ranks`).
 """
 
 from __future__ import annotations

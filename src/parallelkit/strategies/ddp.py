@@ -15,7 +15,6 @@ from parallelkit.distributed.data_parallel import apply_ddp
 from parallelkit.distributed.elastic import DEFAULT_TIMEOUT_S, init_process_group_for_attempt, process_group_timeout
 from parallelkit.distributed.parallel_dims import DP, ParallelDims
 from parallelkit.errors import ConfigError
-from parallelkit.launcher import HydraJobLauncher
 from parallelkit.strategies.base import ParallelKitStrategyMixin
 
 
@@ -140,10 +139,6 @@ class DDPStrategy(ParallelKitStrategyMixin, LightningDDPStrategy):
         return self.device_mesh.get_group(DP)
 
     # ---------------------------------------------------------------- Lightning hooks
-    @override
-    def _configure_launcher(self) -> None:
-        self._launcher = HydraJobLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
-
     @override
     def setup_distributed(self) -> None:
         init_process_group_for_attempt(self._get_process_group_backend(), self._timeout, self)  # torchrun restarts; listeners on MASTER_ADDR

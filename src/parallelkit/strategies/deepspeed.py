@@ -39,7 +39,6 @@ from parallelkit.distributed.deepspeed_config import (
 from parallelkit.distributed.elastic import DEFAULT_TIMEOUT_S, init_process_group_for_attempt, process_group_timeout
 from parallelkit.distributed.parallel_dims import ParallelDims
 from parallelkit.errors import ConfigError
-from parallelkit.launcher import HydraJobLauncher
 from parallelkit.strategies.base import ParallelKitStrategyMixin
 
 CHECKPOINT_TAG = "checkpoint"  # the sub-directory DeepSpeed writes inside the checkpoint path
@@ -109,10 +108,6 @@ class DeepSpeedStrategy(ParallelKitStrategyMixin, LightningDDPStrategy):
         )
 
     # ---------------------------------------------------------------- Lightning hooks
-    @override
-    def _configure_launcher(self) -> None:
-        self._launcher = HydraJobLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
-
     @override
     def setup_distributed(self) -> None:
         init_process_group_for_attempt(self._get_process_group_backend(), self._timeout, self)  # torchrun restarts; listeners on MASTER_ADDR

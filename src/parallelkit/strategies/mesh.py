@@ -31,7 +31,6 @@ from parallelkit.distributed.elastic import DEFAULT_TIMEOUT_S, init_process_grou
 from parallelkit.distributed.grad_sync import GradAllReduce
 from parallelkit.distributed.parallel_dims import DEFAULT_MESH_ORDER, ParallelDims, add_lightning_axis_names
 from parallelkit.errors import ConfigError
-from parallelkit.launcher import HydraJobLauncher
 from parallelkit.models.plans import parallel_model
 from parallelkit.strategies.base import ParallelKitStrategyMixin
 
@@ -92,10 +91,6 @@ class MeshStrategy(ParallelKitStrategyMixin, ModelParallelStrategy):
         return ParallelDims.from_degrees(world_size, **self._degrees, mesh_order=self._mesh_order)
 
     # ---------------------------------------------------------------- Lightning hooks
-    @override
-    def _configure_launcher(self) -> None:
-        self._launcher = HydraJobLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
-
     @override
     def setup_environment(self) -> None:
         # Lightning's version builds a 2-D (data, tensor) mesh; parallelkit's mesh has every axis.

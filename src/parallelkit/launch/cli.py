@@ -79,7 +79,7 @@ def hydra_main(config_path: str) -> Callable[[], None]:
     """The Hydra entry shared by ``train.py`` and the ``parallelkit`` command, reading ``config_path``.
 
     Hydra is imported here, not at the top of this module: the entry points start the local ranks before
-    they import it (:func:`parallelkit.local_launch.start_before_hydra`). The job name (log file
+    they import it (:func:`parallelkit.launch.local_ranks.prepare_process`). The job name (log file
     ``train.log``, ranks' ``train_rankN.log``) is set in ``conf/train.yaml``: Hydra would otherwise name
     the job after the module that defines this function (``cli``), not after ``train.py``.
     """
@@ -125,27 +125,28 @@ def run_or_explain(cfg: DictConfig) -> None:
 
 
 def _run_or_explain(cfg: DictConfig) -> None:
-    from parallelkit import local_launch
     from parallelkit.console import quiet_console
+    from parallelkit.launch import local_ranks
 
-    quiet_console()  # logging is configured now (Hydra's, or an early child's copy of it): each line once
-    saved_env = dict(os.environ)
-    early = local_launch.wants_early_launch(cfg, already=local_launch.started())
-    if early:  # before the heavy imports below (if train.py has not already started them)
-        local_launch.start_local_ranks(early)
-        local_launch.send_config(cfg)
-    elif local_launch.started():  # started before Hydra, but the composed config wants no early ranks
-        local_launch.abort()
+    local_ranks.composed()  # a started rank's stderr was held back until now (bad input is rank 0's to report)
+    quiet_console()  # logging is configured now (Hydra's): each line once
+    if _multirun() and (local_ranks.is_started_rank() or local_ranks.started_before_hydra()):
+        # hydra.mode=MULTIRUN from a config file, invisible on the command line: each job starts its own ranks
+        if local_ranks.is_started_rank():
+            os._exit(0)
+        local_ranks.abort()
     finished = False
     try:
-        try:
-            from parallelkit.run import run
+        with local_ranks.job_environment():
+            try:
+                from parallelkit.run import run
 
-            run(cfg)  # an early-started child builds everything, then waits for rank 0's go before training
-        except BaseException:
-            local_launch.wait_for_release()  # a child that failed first: rank 0's verdict decides (see there)
-            raise
-        finished = True
+                run(cfg)
+            except BaseException:
+                if local_ranks.is_started_rank() and not local_ranks.joined():
+                    local_ranks.defer_to_rank0()  # rank 0 builds the same run: its verdict decides (see there)
+                raise
+            finished = True
     except ConfigError as err:
         print(f"parallelkit: error: {err}", file=sys.stderr, flush=True)
         raise SystemExit(EXIT_CONFIG_ERROR) from None
@@ -160,7 +161,7 @@ def _run_or_explain(cfg: DictConfig) -> None:
         if not is_peer_failure(err):
             raise
         first_line = str(err).strip().splitlines()[0]
-        known = local_launch.failed_peers() + list(getattr(err, "__notes__", []))
+        known = local_ranks.failed_peers() + list(getattr(err, "__notes__", []))
         explained = [code for code in peer_exit_codes(known) if code in SELF_EXPLAINED]
         if explained:  # that rank printed its own error paragraph (a failed write, ...): this one says nothing more
             raise SystemExit(explained[0]) from None
@@ -174,10 +175,15 @@ def _run_or_explain(cfg: DictConfig) -> None:
         )
         raise SystemExit(EXIT_PEER_FAILURE) from None
     finally:
-        if early:
-            local_launch.finish() if finished else local_launch.abort()
-            os.environ.clear()  # the next job of a sweep starts with the environment this one found
-            os.environ.update(saved_env)
+        if local_ranks.started():
+            local_ranks.finish() if finished else local_ranks.abort()
+
+
+def _multirun() -> bool:
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
 
 
 # Exit codes of a rank that stopped with its own one-paragraph error: a peer that saw it go leaves with the same.
@@ -185,7 +191,7 @@ SELF_EXPLAINED = (EXIT_CONFIG_ERROR, EXIT_DIVERGED, EXIT_WRITE_FAILED)
 
 
 def peer_exit_codes(known: list[str]) -> list[int]:
-    """The exit codes in :func:`parallelkit.local_launch.failed_peers`' lines (``rank 1 exited with code 5``)."""
+    """The exit codes in :func:`parallelkit.launch.local_ranks.failed_peers`' lines (``rank 1 exited with code 5``)."""
     import re
 
     return [int(m.group(1)) for m in (re.search(r"exited with code (-?\d+)", line) for line in known) if m]
