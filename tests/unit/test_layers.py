@@ -1,31 +1,49 @@
 """Who imports whom: the neutral modules (capabilities, the strategy protocol) and the callbacks import no
-strategy, and the names that moved out of ``parallelkit.strategies`` are still importable from there."""
+strategy, the planner imports neither torch nor matplotlib, the package root holds only the modules meant to be
+there, and the names that moved out of ``parallelkit.strategies`` are still importable from there."""
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
+from pathlib import Path
+
+import parallelkit
 
 # A fresh interpreter: this test process has long imported every strategy.
 _LOADED = """
 import importlib, pkgutil, sys
-import parallelkit.callbacks
 for module in {modules!r}:
     importlib.import_module(module)
-for info in pkgutil.iter_modules(parallelkit.callbacks.__path__):
-    importlib.import_module("parallelkit.callbacks." + info.name)
-print(" ".join(sorted(m for m in sys.modules if m.startswith(("parallelkit.strategies", "parallelkit.ps")))))
+for package in {packages!r}:  # and every module of these packages
+    for info in pkgutil.iter_modules(importlib.import_module(package).__path__):
+        importlib.import_module(package + "." + info.name)
+print(" ".join(sorted(m for m in sys.modules if m.startswith({prefixes!r}))))
 """
 
+# The package root: what starts and runs a job, the one-line modules that keep the commands' public names
+# (``python -m parallelkit.plan`` runs ``parallelkit.tools.plan``), and neutral modules that several layers share.
+# Anything else has a role, and a subpackage of that role: tools/, planner/, distributed/, ...
+ENTRY_AND_RUN = {"__init__", "__main__", "cli", "launcher", "local_launch", "local_child", "startup_gc", "run",
+                 "run_dir", "optim", "console", "csv_logger"}
+COMMANDS = {"plan", "verify", "export", "predict"}  # predict: mode=predict's names for run.py, not a command
+NEUTRAL = {"errors", "capabilities", "strategy_protocol", "hashing", "process_stats"}
 
-def loaded_after_importing(modules: list[str]) -> list[str]:
-    code = _LOADED.format(modules=modules)
+
+def loaded_after_importing(modules: list[str], packages: tuple[str, ...] = ("parallelkit.callbacks",),
+                           prefixes: tuple[str, ...] = ("parallelkit.strategies", "parallelkit.ps")) -> list[str]:
+    code = _LOADED.format(modules=modules, packages=packages, prefixes=prefixes)
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     return proc.stdout.split()
 
 
 def test_callbacks_and_neutral_modules_import_no_strategy():
-    assert loaded_after_importing(["parallelkit.capabilities", "parallelkit.strategy_protocol"]) == []
+    neutral = [f"parallelkit.{name}" for name in sorted(NEUTRAL)]
+    assert loaded_after_importing(neutral) == []
+    # The data sets and the parameter server share their hash and process counters through neutral modules.
+    assert loaded_after_importing(["parallelkit.data.ctr"], packages=(), prefixes=("parallelkit.ps",)) == []
+    assert loaded_after_importing(["parallelkit.ps.server"], packages=(), prefixes=("parallelkit.callbacks",)) == []
     # Negative control: the same check sees a strategy when one is imported.
     assert "parallelkit.strategies.base" in loaded_after_importing(["parallelkit.strategies.base"])
 
@@ -40,3 +58,21 @@ def test_moved_names_are_importable_from_their_old_modules():
         assert getattr(base, name) is getattr(capabilities, name)
     for name in ("StrategyProtocol", "ForeignStrategy", "as_protocol"):
         assert getattr(protocol, name) is getattr(strategy_protocol, name)
+
+
+def test_the_planner_imports_neither_torch_nor_matplotlib():
+    # strategy=auto plans thousands of ranks as arithmetic: the dry run's torch and the drawing's matplotlib are
+    # imported inside the functions that need them.
+    assert loaded_after_importing([], packages=("parallelkit.planner",), prefixes=("torch", "matplotlib")) == []
+    # Negative control: the same check sees matplotlib when it is imported.
+    assert "matplotlib" in loaded_after_importing(["matplotlib"], packages=(), prefixes=("matplotlib",))
+
+
+def test_the_package_root_holds_only_entry_points_commands_and_neutral_modules():
+    root = Path(parallelkit.__file__).parent
+    assert {p.stem for p in root.glob("*.py")} == ENTRY_AND_RUN | COMMANDS | NEUTRAL
+    for name in COMMANDS:  # each only re-exports its tools module: the code lives in parallelkit.tools
+        tree = ast.parse((root / f"{name}.py").read_text())
+        imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+        assert imported - {"__future__"} == {f"parallelkit.tools.{name}"}, name
+        assert sum(isinstance(node, (ast.FunctionDef, ast.ClassDef)) for node in ast.walk(tree)) == 0, name
