@@ -107,9 +107,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--timeout", type=float, default=600)
     args = p.parse_args(argv)
 
-    from parallelkit.auto_plan import choose_layout
-    from parallelkit.plan import compose_config
+    from parallelkit.planner.auto import choose_layout
     from parallelkit.planner.hardware import load_profile
+    from parallelkit.planner.inputs import compose_config
     from parallelkit.planner.report import best_per_layout
 
     profile = args.hardware

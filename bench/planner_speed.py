@@ -32,8 +32,8 @@ CASES = {
 
 
 def main() -> None:
-    from parallelkit.plan import compose_config
-    from parallelkit.planner.cli import auto_plan_from_config
+    from parallelkit.planner.auto import auto_plan_from_config
+    from parallelkit.planner.inputs import compose_config
 
     results = {}
     for name, overrides in CASES.items():

@@ -345,7 +345,7 @@ def _predict(cfg: DictConfig, strategy: Any, accelerator: str, devices: int, num
     """``mode=predict``: load a checkpoint of any strategy and world size, score and generate (parallelkit.predict)."""
     import lightning.pytorch as pl
 
-    from parallelkit.predict import check_predict_config, load_weights, predict
+    from parallelkit.tools.predict import check_predict_config, load_weights, predict
 
     check_predict_config(cfg)
     load_weights(module, cfg.ckpt_path)  # full tensors into the single-device model; the strategy splits them

@@ -151,7 +151,7 @@ def test_export_after_tp_loads_in_transformers_with_equal_logits(tmp_path):
 
     from parallelkit.models.hf import HFCausalLM
     from parallelkit.models.module import TrainModule
-    from parallelkit.predict import load_weights
+    from parallelkit.tools.predict import load_weights
 
     cfg = OmegaConf.load(run_dir / ".hydra" / "config.yaml")
     kwargs = {k: v for k, v in OmegaConf.to_container(cfg.model).items() if k != "_target_"}

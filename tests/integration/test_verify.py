@@ -13,8 +13,8 @@ import sys
 
 import pytest
 
-from parallelkit.plan import compose_config
-from parallelkit.verify import compare, reference_overrides
+from parallelkit.planner.inputs import compose_config
+from parallelkit.tools.verify import compare, reference_overrides
 from test_train import TINY
 
 # TINY without its step count: verify sets trainer.max_steps itself (--steps).

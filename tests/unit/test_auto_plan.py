@@ -1,15 +1,18 @@
-"""``strategy=auto``'s choice (parallelkit.auto_plan over parallelkit.planner) on cases whose answer is known, in one process."""
+"""``strategy=auto``'s choice (parallelkit.planner.auto over the rest of parallelkit.planner) on cases whose answer is known, in one process."""
 
 from __future__ import annotations
 
 import pytest
 
-from parallelkit.auto_plan import Candidate, Hardware, Link, choose_layout, crosses_nodes, format_ranking, layouts
 from parallelkit.distributed.parallel_dims import DP, PP, SHARDING, TP, ParallelDims
 from parallelkit.errors import ConfigError
-from parallelkit.plan import build_plan, compose_config
+from parallelkit.planner.auto import choose_layout, crosses_nodes, layouts, workload_of
+from parallelkit.planner.dry_run import build_plan
+from parallelkit.planner.hardware import Hardware, Link
+from parallelkit.planner.inputs import compose_config
 from parallelkit.planner.layout import Layout
-from parallelkit.planner.search import evaluate
+from parallelkit.planner.report import format_ranking
+from parallelkit.planner.search import Candidate, evaluate
 from parallelkit.strategies.auto import AutoStrategy
 
 TINY = ["model.n_layer=2", "model.n_embd=32", "model.n_head=2", "data.seq_len=16", "data.global_batch_size=16"]
@@ -123,8 +126,6 @@ def test_tight_memory_makes_the_search_accumulate_gradients():
 
 
 def evaluate_dp(cfg, hw, accumulate: int):
-    from parallelkit.auto_plan import workload_of
-
     w = workload_of(cfg)
     return evaluate(w, hw, Layout(2, 1, 1, 1, micro_batch=4 // accumulate, accumulate=accumulate))
 

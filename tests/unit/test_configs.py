@@ -22,7 +22,7 @@ from hydra.errors import ConfigCompositionException, HydraException
 from hydra.utils import get_class, get_object, instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from parallelkit.launch.cli import register_resolvers, run_name
+from parallelkit.launch.resolvers import register_resolvers, run_name
 
 CONF_DIR = (Path(__file__).resolve().parents[2] / "conf").resolve()
 PRIMARY = CONF_DIR / "train.yaml"

@@ -136,8 +136,8 @@ def test_export_round_trip_of_a_single_file_checkpoint(tmp_path):
     """A checkpoint in the layout Lightning writes for one process → save_pretrained → transformers: same logits."""
     import transformers
 
-    from parallelkit.export import export
     from parallelkit.models.module import EXPORT_KEY, TrainModule
+    from parallelkit.tools.export import export
 
     model = tiny()
     module = TrainModule(model, None)

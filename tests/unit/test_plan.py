@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from parallelkit.distributed.parallel_dims import DP, EP, PP, SHARDING, TP
-from parallelkit.plan import build_plan, fake_world, main
+from parallelkit.planner.dry_run import build_plan, fake_world
+from parallelkit.tools.plan import main
 
 TINY = ["model.n_layer=2", "model.n_embd=32", "model.n_head=2", "data.seq_len=16", "data.global_batch_size=64"]
 MESH_AXES = (PP, DP, SHARDING, TP)

@@ -10,9 +10,9 @@ import pytest
 import yaml
 
 from parallelkit.errors import ConfigError
-from parallelkit.plan import main
 from parallelkit.planner.calibrate import fit_latency_bandwidth, profile_from_measurements
 from parallelkit.planner.hardware import from_dict, load_profile, named_profiles, resolve_hardware, save_profile
+from parallelkit.tools.plan import main
 
 TINY = ["model.n_layer=2", "model.n_embd=32", "model.n_head=2", "data.seq_len=16", "data.global_batch_size=16"]
 MEGATRON_1T = ["model=gpt", "model.n_layer=128", "model.n_embd=25600", "model.n_head=160", "+model.vocab_size=51200",

@@ -8,14 +8,14 @@ import pytest
 import torch
 
 from parallelkit.errors import ConfigError
-from parallelkit.plan import compose_config
+from parallelkit.planner.inputs import compose_config
 from parallelkit.planner.shapes import hf_shape
 from parallelkit.planner.workload import PRECISIONS, workload_from_config
 
 
 def real_params(overrides: list[str]) -> tuple[int, object]:
     """Parameters of the model ``train.py`` would build (meta device), and the planner's workload."""
-    from parallelkit.plan import build_workload
+    from parallelkit.planner.inputs import build_workload
 
     cfg = compose_config(overrides)
     _, model = build_workload(cfg)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 import statistics
 import time
 from pathlib import Path
@@ -25,28 +24,8 @@ from typing_extensions import override
 from parallelkit.distributed.comm_stats import CommStats
 from parallelkit.distributed.parallel_dims import ParallelDims
 from parallelkit.errors import TrainingDiverged
+from parallelkit.process_stats import model_state_bytes, os_bytes_written, peak_rss_bytes
 from parallelkit.models.plans import parallel_model
-
-
-def peak_rss_bytes() -> int:
-    """This process's peak resident set size (Linux reports KiB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-def os_bytes_written() -> int:
-    """Bytes this process handed to the kernel's write calls (Linux ``/proc/self/io`` ``wchar``; 0 elsewhere).
-
-    gloo's TCP transport sends with ``writev``, so this counts the collective traffic that really leaves the
-    process (plus its file writes) — per process, unlike the loopback interface's counter, which other jobs
-    on the machine also move. ``bench/memory.py`` takes the difference of a long and a short run.
-    """
-    try:
-        for line in Path("/proc/self/io").read_text().splitlines():
-            if line.startswith("wchar:"):
-                return int(line.split()[1])
-    except OSError:
-        pass
-    return 0
 
 
 class RunSummary(Callback):
@@ -241,8 +220,6 @@ def _global_max(strategy: Any, tensor: torch.Tensor) -> torch.Tensor:
 def _state_bytes(strategy: Any) -> dict[str, int]:
     if hasattr(strategy, "model_state_bytes"):
         return strategy.model_state_bytes()
-    from parallelkit.strategies.base import model_state_bytes
-
     return model_state_bytes(strategy.lightning_module, strategy.optimizers)
 
 

@@ -24,7 +24,7 @@ from typing_extensions import override
 
 from parallelkit.data.base import DataParallelDataModule
 from parallelkit.errors import ConfigError
-from parallelkit.ps.table import _splitmix64
+from parallelkit.hashing import splitmix64
 
 
 def _hash_unit(seed: int, *keys: np.ndarray) -> np.ndarray:
@@ -32,7 +32,7 @@ def _hash_unit(seed: int, *keys: np.ndarray) -> np.ndarray:
     x = np.full(np.broadcast(*keys).shape, np.uint64(seed), dtype=np.uint64)
     with np.errstate(over="ignore"):
         for key in keys:
-            x = _splitmix64(x ^ np.asarray(key).astype(np.int64).view(np.uint64))
+            x = splitmix64(x ^ np.asarray(key).astype(np.int64).view(np.uint64))
     return (x >> np.uint64(11)).astype(np.float64) / float(1 << 53)
 
 

@@ -9,67 +9,16 @@ import sys
 import traceback
 from typing import Callable
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from parallelkit.errors import ConfigError, TrainingDiverged, WriteFailed
+from parallelkit.launch.resolvers import register_resolvers
 
 EXIT_CONFIG_ERROR = 2
 EXIT_PEER_FAILURE = 3
 EXIT_DIVERGED = 4  # the loss became NaN/inf
 EXIT_WRITE_FAILED = 5  # an output (a checkpoint) could not be written; the previous one is intact
 EXIT_SIGTERM = 128 + 15  # the shell's convention for a process ended by SIGTERM
-MAX_RUN_NAME = 120
-
-
-def run_name(override_dirname: str) -> str:
-    """A run directory name from the command-line overrides: the same on every rank, ``default`` if none.
-
-    Path separators and spaces are replaced; when that changed anything (``a/b`` and ``a_b`` would collide)
-    or the name is long (file names stop at 255 bytes), a short hash of the exact overrides is appended.
-    """
-    import hashlib
-
-    safe = re.sub(r"[/\\\s]", "_", override_dirname)
-    if safe == override_dirname and len(safe) <= MAX_RUN_NAME:
-        return safe or "default"
-    digest = hashlib.sha1(override_dirname.encode()).hexdigest()[:8]
-    return f"{safe[:MAX_RUN_NAME]}-{digest}"
-
-
-def launcher_rank() -> int:
-    """The global rank an external launcher (torchrun, SLURM) gave this process; 0 otherwise."""
-    return int(os.environ.get("RANK") or os.environ.get("SLURM_PROCID") or 0)
-
-
-def rank_suffix() -> str:
-    """``_rankN`` for ranks > 0 started by torchrun/SLURM, so ranks do not share one log file."""
-    rank = launcher_rank()
-    return f"_rank{rank}" if rank else ""
-
-
-def rank_zero_value(value: str) -> str | None:
-    """``value`` on rank 0, ``None`` elsewhere: only rank 0 writes the composed config (.hydra/)."""
-    return value if launcher_rank() == 0 else None
-
-
-_CONFIG_SUBDIRS: dict[str, str] = {}  # run directory → this process's choice (Hydra reads the setting twice)
-
-
-def config_subdir(output_dir: str) -> str | None:
-    """Where Hydra writes this job's composed config, on rank 0 (``None`` elsewhere): ``.hydra``, or ``.hydra-2``,
-    ``.hydra-3``, ... when an earlier run in the same directory (a resume, a repeated run) holds ``.hydra``:
-    Hydra would overwrite that record of how the earlier run was started."""
-    if launcher_rank() != 0:
-        return None
-    if output_dir not in _CONFIG_SUBDIRS:
-        name, n = ".hydra", 1
-        while os.path.exists(os.path.join(output_dir, name)):
-            n += 1
-            name = f".hydra-{n}"
-        _CONFIG_SUBDIRS[output_dir] = name
-    return _CONFIG_SUBDIRS[output_dir]
-
-
 # The configs an installed parallelkit carries: the repository's conf/, shipped as the package parallelkit.conf
 # (pyproject.toml, setup.py). train.py reads its checkout's conf/ directly instead (see there).
 PACKAGED_CONFIGS = "pkg://parallelkit.conf"
@@ -97,13 +46,6 @@ def hydra_main(config_path: str) -> Callable[[], None]:
         run_or_explain(cfg)
 
     return main
-
-
-def register_resolvers() -> None:
-    for name, fn in (("pk_run_name", run_name), ("pk_rank_suffix", rank_suffix), ("pk_rank_zero", rank_zero_value),
-                     ("pk_config_subdir", config_subdir)):
-        if not OmegaConf.has_resolver(name):
-            OmegaConf.register_new_resolver(name, fn)
 
 
 # Whether a job of this process failed with an exception (Hydra reports it and exits 1): tells exit_after
@@ -192,7 +134,6 @@ SELF_EXPLAINED = (EXIT_CONFIG_ERROR, EXIT_DIVERGED, EXIT_WRITE_FAILED)
 
 def peer_exit_codes(known: list[str]) -> list[int]:
     """The exit codes in :func:`parallelkit.launch.local_ranks.failed_peers`' lines (``rank 1 exited with code 5``)."""
-    import re
 
     return [int(m.group(1)) for m in (re.search(r"exited with code (-?\d+)", line) for line in known) if m]
 

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from parallelkit.errors import ConfigError
+from parallelkit.planner.inputs import block_names, model_shape
 
 GPT_TARGETS = ("parallelkit.models.gpt.GPT", "parallelkit.models.gpt.model.GPT")
 MOE_TARGETS = ("parallelkit.models.moe_gpt.MoEGPT", "parallelkit.models.moe_gpt.model.MoEGPT")
@@ -269,8 +270,6 @@ def shape_of_module(model_cfg: Any, kwargs: dict[str, Any], seq_len: int) -> Mod
     """A model the planner has no formula for: build it once on the meta device and measure it."""
     import torch
     from hydra.utils import instantiate
-
-    from parallelkit.plan import block_names, model_shape
 
     with torch.device("meta"):
         model = instantiate(model_cfg, **kwargs)

@@ -17,9 +17,10 @@ from pathlib import Path
 from typing import Any
 
 from parallelkit.planner.hardware import Hardware, Link, load_profile
+from parallelkit.planner.inputs import compose_config
 from parallelkit.planner.layout import MULTI_STAGE, Layout
 from parallelkit.planner.search import AutoPlan, Candidate, SearchOptions, batch_cuts, evaluate, search
-from parallelkit.planner.workload import PRECISIONS, Runtime, Workload
+from parallelkit.planner.workload import PRECISIONS, Runtime, Workload, workload_from_config
 
 HERE = Path(__file__).parent / "published"
 
@@ -61,9 +62,6 @@ def flops_per_token(kind: str, w: Workload) -> float:
 
 def workload_of_run(run: dict[str, Any], *, precision: str | None = None, runtime: Runtime | None = None) -> Workload:
     """The run's workload from its overrides (the HF configs are files beside this module)."""
-    from parallelkit.plan import compose_config
-    from parallelkit.planner.workload import workload_from_config
-
     overrides = [o.replace("model.config=", f"model.config={HERE}/") if o.startswith("model.config=") else o for o in run["overrides"]]
     cfg = compose_config(overrides)
     w = workload_from_config(cfg, sequence_parallel=bool(run.get("sequence_parallel", False)))

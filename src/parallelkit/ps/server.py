@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from parallelkit.process_stats import peak_rss_bytes
 from parallelkit.ps.table import TableShard, TableSpec
 
 MODES = ("sync", "async", "geo")
@@ -253,8 +254,6 @@ def rpc_stats() -> dict[str, Any]:
 
 def rpc_peak_rss_bytes() -> int:
     """This server process's peak resident set size: what holding the tables really cost."""
-    from parallelkit.callbacks.run_summary import peak_rss_bytes
-
     return peak_rss_bytes()
 
 

@@ -24,10 +24,10 @@ import numpy as np
 import torch
 
 from parallelkit.errors import ConfigError
+from parallelkit.hashing import MASK64, splitmix64
 
 OPTIMIZERS = ("sgd", "adagrad", "adam")
 _GROWTH = 2  # the row store doubles when full: amortised O(1) inserts, at most 2x the live rows
-_MASK = np.uint64(0xFFFFFFFFFFFFFFFF)
 
 
 def table_key(name: str) -> int:
@@ -35,21 +35,13 @@ def table_key(name: str) -> int:
     return zlib.crc32(name.encode())
 
 
-def _splitmix64(x: np.ndarray) -> np.ndarray:
-    with np.errstate(over="ignore"):  # wrap-around is the point
-        x = (x + np.uint64(0x9E3779B97F4A7C15)) & _MASK
-        x = ((x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)) & _MASK
-        x = ((x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)) & _MASK
-        return x ^ (x >> np.uint64(31))
-
-
 def init_rows(seed: int, table: str, ids: torch.Tensor, dim: int, scale: float) -> torch.Tensor:
     """Initial values of rows ``ids`` (int64): uniform in ``[-scale, scale)``, a pure function of ``(seed, table, id, column)``."""
     ids_np = ids.detach().cpu().numpy().astype(np.int64).view(np.uint64)
     with np.errstate(over="ignore"):
-        base = _splitmix64(np.uint64(seed & 0xFFFFFFFF) << np.uint64(32) | np.uint64(table_key(table)))
-        keys = _splitmix64(ids_np ^ base)[:, None] * np.uint64(dim) + np.arange(dim, dtype=np.uint64)[None, :]
-    bits = _splitmix64(keys & _MASK) >> np.uint64(40)  # 24 random bits: exact in float32
+        base = splitmix64(np.uint64(seed & 0xFFFFFFFF) << np.uint64(32) | np.uint64(table_key(table)))
+        keys = splitmix64(ids_np ^ base)[:, None] * np.uint64(dim) + np.arange(dim, dtype=np.uint64)[None, :]
+    bits = splitmix64(keys & MASK64) >> np.uint64(40)  # 24 random bits: exact in float32
     unit = torch.from_numpy((bits.astype(np.float64) / float(1 << 24)).astype(np.float32))
     return (unit * 2 - 1) * scale
 

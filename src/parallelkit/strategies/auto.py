@@ -2,7 +2,7 @@
 
 The choice needs the model, the batch and the world size, which the strategy's own config does not hold,
 so :class:`AutoStrategy` is resolved by ``parallelkit.run`` once the world size is known and before any
-process starts: :meth:`AutoStrategy.resolve` runs :func:`parallelkit.auto_plan.choose_layout` (the cost model of
+process starts: :meth:`AutoStrategy.resolve` runs :func:`parallelkit.planner.auto.choose_layout` (the cost model of
 :mod:`parallelkit.planner`), prints its ranking on rank 0, and returns the ``strategy=hybrid4d`` strategy for the
 chosen degrees and micro-batches (the pipeline or the plain variant, which is why this is a delegation rather than a
 subclass); without a pipeline the chosen gradient accumulation becomes ``trainer.accumulate_grad_batches``. Every
@@ -18,9 +18,11 @@ from typing import Any
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
-from parallelkit.auto_plan import AutoPlan, Hardware, choose_layout, format_ranking, resolve_hardware
 from parallelkit.errors import ConfigError
-from parallelkit.planner.hardware import host_memory_per_rank
+from parallelkit.planner.auto import choose_layout
+from parallelkit.planner.hardware import Hardware, host_memory_per_rank, resolve_hardware
+from parallelkit.planner.report import format_ranking
+from parallelkit.planner.search import AutoPlan
 from parallelkit.strategies.hybrid4d import hybrid4d
 from parallelkit.strategy_protocol import StrategyProtocol
 

@@ -15,6 +15,7 @@ import torch
 from typing_extensions import override
 
 from parallelkit.capabilities import DDP_COMM_HOOK, LIGHTNING_BACKWARD, REPLICATED_PARAMS, SERVER_TABLES, SPARSE_GRADIENTS, require_capabilities
+from parallelkit.process_stats import model_state_bytes, os_bytes_written  # noqa: F401 - model_state_bytes: strategies import it from here
 from parallelkit.distributed.comm_stats import REPORT, TRAIN, VALIDATION, CommStats
 from parallelkit.distributed.parallel_dims import ParallelDims
 from parallelkit.errors import ConfigError
@@ -167,7 +168,6 @@ class ParallelKitStrategyMixin(StrategyProtocol):
         """
         import torch.distributed as dist
 
-        from parallelkit.callbacks.run_summary import os_bytes_written
 
         stats = self.comm_stats
         steps = max(getattr(trainer, "global_step", 0) - self._first_step, 1)  # this process's steps, as RunSummary divides
@@ -206,22 +206,4 @@ class ParallelKitStrategyMixin(StrategyProtocol):
     def model_state_bytes(self) -> dict[str, int]:
         """Bytes of parameters, gradients and optimizer state that this rank holds right now."""
         return model_state_bytes(self.lightning_module, self.optimizers)
-
-
-def _local_bytes(tensor: torch.Tensor) -> int:
-    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor  # DTensor: this rank's shard
-    return local.numel() * local.element_size()
-
-
-def model_state_bytes(module: torch.nn.Module | None, optimizers: list[Any]) -> dict[str, int]:
-    params = list(module.parameters()) if module is not None else []
-    state = 0
-    for optimizer in optimizers:
-        for per_param in optimizer.state.values():
-            state += sum(_local_bytes(v) for v in per_param.values() if isinstance(v, torch.Tensor))
-    return {
-        "params": sum(_local_bytes(p) for p in params),
-        "grads": sum(_local_bytes(p.grad) for p in params if p.grad is not None),
-        "optimizer": state,
-    }
 

@@ -1,25 +1,27 @@
-"""``strategy=auto``'s planner entry point: :func:`choose_layout` for a composed ``train`` config.
+"""``strategy=auto``'s entry into the planner: :func:`choose_layout` for a composed ``train`` config.
 
-The cost model, the search and the hardware profiles live in :mod:`parallelkit.planner` (docs/planner.md);
-this module turns the run's config and ``strategy=auto``'s options into a workload and search options, and keeps
-the names earlier callers import (``Hardware``, ``Candidate``, ``AutoPlan``, ``format_ranking``, ``layouts``,
-``crosses_nodes``).
+The cost model, the search and the hardware profiles are the rest of :mod:`parallelkit.planner` (docs/planner.md);
+this module turns the run's config and ``strategy=auto``'s options into a workload and search options, for
+:class:`~parallelkit.strategies.auto.AutoStrategy` and for ``python -m parallelkit.plan`` (which ranks without
+instantiating the strategy: :func:`auto_plan_from_config`, or estimates one fixed layout:
+:func:`estimate_fixed_layout`).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from parallelkit.distributed.parallel_dims import DEFAULT_MESH_ORDER, DP, PP, SHARDING, TP
-from parallelkit.planner.hardware import Hardware, Link, load_profile, resolve_hardware
+from parallelkit.distributed.parallel_dims import DEFAULT_MESH_ORDER, DP, PP, SHARDING, TP, ParallelDims
+from parallelkit.planner.hardware import Hardware, host_memory_per_rank, load_profile, resolve_hardware
 from parallelkit.planner.layout import Layout
 from parallelkit.planner.layout import crosses_nodes as _crosses_nodes
 from parallelkit.planner.report import format_ranking
-from parallelkit.planner.search import AutoPlan, Candidate, SearchOptions, degree_sets, search
+from parallelkit.planner.search import AutoPlan, SearchOptions, degree_sets, evaluate, search
 from parallelkit.planner.workload import Runtime, Workload, workload_from_config
 
-__all__ = ["AutoPlan", "Candidate", "Hardware", "Link", "choose_layout", "crosses_nodes", "format_ranking", "layouts",
-           "load_profile", "resolve_hardware", "search_options", "workload_of"]
+#: strategy=auto's own options: the rest of ``cfg.strategy`` is hybrid4d's, fixed for the chosen layout.
+AUTO_OPTIONS = ("_target_", "hardware", "max_microbatches", "search_accumulate", "allow_tp_across_nodes",
+                "allow_ep_across_nodes", "top")
 
 
 def layouts(world_size: int) -> list[dict[str, int]]:
@@ -78,3 +80,38 @@ def choose_layout(cfg: Any, world_size: int, hardware: Hardware, *, max_microbat
     opts = search_options(cfg, kwargs, max_microbatches=max_microbatches, search_accumulate=search_accumulate,
                           allow_tp_across_nodes=allow_tp_across_nodes, allow_ep_across_nodes=allow_ep_across_nodes)
     return search(workload, hardware, world_size, opts)
+
+
+def auto_plan_from_config(cfg: Any) -> AutoPlan:
+    """What ``strategy=auto`` would rank for this config, without instantiating the strategy (no torch, no Lightning)."""
+    strategy = dict(cfg.strategy)
+    devices = cfg.trainer.get("devices") or 2
+    nodes = cfg.trainer.get("num_nodes") or 1
+    accelerator = "gpu" if cfg.trainer.get("accelerator") == "gpu" else "cpu"
+    hardware = resolve_hardware(strategy.get("hardware"), accelerator=accelerator, devices_per_node=devices,
+                                memory_default=host_memory_per_rank(devices) if accelerator == "cpu" else None)
+    kwargs = {k: v for k, v in strategy.items() if k not in AUTO_OPTIONS}
+    return choose_layout(cfg, devices * nodes, hardware, max_microbatches=strategy.get("max_microbatches"),
+                         strategy_kwargs=kwargs, search_accumulate=strategy.get("search_accumulate", True),
+                         allow_tp_across_nodes=bool(strategy.get("allow_tp_across_nodes", False)),
+                         allow_ep_across_nodes=bool(strategy.get("allow_ep_across_nodes", False)))
+
+
+def estimate_fixed_layout(cfg: Any, hardware_spec: str) -> str:
+    """The cost model's estimate of the layout a fixed ``strategy=hybrid4d`` config trains with."""
+    hw = load_profile(hardware_spec)
+    s = cfg.strategy
+    world = (cfg.trainer.get("devices") or 2) * (cfg.trainer.get("num_nodes") or 1)
+    dims = ParallelDims.from_degrees(world, dp=s.get("dp", -1), sharding=s.get("sharding", 1), tp=s.get("tp", 1),
+                                     pp=s.get("pp", 1), ep=s.get("ep", 1))
+    w = workload_of(cfg, dict(s))
+    batch = w.global_batch // dims.data_parallel_size
+    m = s.get("microbatches", 1) if dims.pp > 1 else 1
+    accumulate = cfg.trainer.get("accumulate_grad_batches", 1) if dims.pp == 1 else 1
+    layout = Layout(dims.dp, dims.sharding, dims.tp, dims.pp, dims.ep, zero_stage=3 if dims.sharding > 1 else 0,
+                    micro_batch=batch // (m * accumulate), microbatches=m, accumulate=accumulate,
+                    schedule=s.get("schedule", "1f1b"), virtual_stages=s.get("virtual_stages") or (2 if s.get("schedule") in ("interleaved_1f1b", "zero_bubble", "zbv") and dims.pp > 1 else 1),
+                    reshard_after_forward=dims.pp == 1 if s.get("reshard_after_forward") is None else bool(s.get("reshard_after_forward")))
+    candidate = evaluate(w, hw, layout)
+    text = format_ranking(AutoPlan(world, hw, w, [candidate]), top=1)
+    return text.replace("strategy=auto:", "the cost model's estimate of this layout:", 1).replace("chosen: ", "estimate: ")

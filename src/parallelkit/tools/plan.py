@@ -19,6 +19,12 @@ from pathlib import Path
 from typing import Any
 
 from parallelkit.errors import ConfigError
+from parallelkit.planner.auto import auto_plan_from_config, estimate_fixed_layout, workload_of
+from parallelkit.planner.calibrate import calibrate
+from parallelkit.planner.dry_run import build_plan, format_plan
+from parallelkit.planner.hardware import save_profile
+from parallelkit.planner.inputs import compose_config
+from parallelkit.planner.report import format_ranking, write_json
 
 AUTO_TARGET = "parallelkit.strategies.auto.AutoStrategy"
 FLAGS = {"--png": str, "--json": str, "--top": int, "--out": str, "--hardware": str, "--ranks-limit": int}
@@ -48,53 +54,6 @@ def parse(argv: list[str]) -> tuple[list[str], dict[str, Any]]:
     return overrides, flags
 
 
-def auto_plan_from_config(cfg: Any) -> Any:
-    """What ``strategy=auto`` would rank for this config, without instantiating the strategy (no torch, no Lightning)."""
-    from parallelkit.auto_plan import choose_layout, resolve_hardware
-    from parallelkit.planner.hardware import host_memory_per_rank
-
-    strategy = dict(cfg.strategy)
-    devices = cfg.trainer.get("devices") or 2
-    nodes = cfg.trainer.get("num_nodes") or 1
-    accelerator = "gpu" if cfg.trainer.get("accelerator") == "gpu" else "cpu"
-    hardware = resolve_hardware(strategy.get("hardware"), accelerator=accelerator, devices_per_node=devices,
-                                memory_default=host_memory_per_rank(devices) if accelerator == "cpu" else None)
-    own = ("_target_", "hardware", "max_microbatches", "search_accumulate", "allow_tp_across_nodes", "allow_ep_across_nodes", "top")
-    kwargs = {k: v for k, v in strategy.items() if k not in own}
-    return choose_layout(cfg, devices * nodes, hardware, max_microbatches=strategy.get("max_microbatches"),
-                         strategy_kwargs=kwargs, search_accumulate=strategy.get("search_accumulate", True),
-                         allow_tp_across_nodes=bool(strategy.get("allow_tp_across_nodes", False)),
-                         allow_ep_across_nodes=bool(strategy.get("allow_ep_across_nodes", False)))
-
-
-def estimate_fixed_layout(cfg: Any, hardware_spec: str) -> str:
-    """The cost model's estimate of the layout a fixed ``strategy=hybrid4d`` config trains with."""
-    from parallelkit.auto_plan import workload_of
-    from parallelkit.planner.hardware import load_profile
-    from parallelkit.planner.layout import Layout
-    from parallelkit.planner.report import format_ranking
-    from parallelkit.planner.search import AutoPlan, evaluate
-
-    hw = load_profile(hardware_spec)
-    s = cfg.strategy
-    world = (cfg.trainer.get("devices") or 2) * (cfg.trainer.get("num_nodes") or 1)
-    from parallelkit.distributed.parallel_dims import ParallelDims
-
-    dims = ParallelDims.from_degrees(world, dp=s.get("dp", -1), sharding=s.get("sharding", 1), tp=s.get("tp", 1),
-                                     pp=s.get("pp", 1), ep=s.get("ep", 1))
-    w = workload_of(cfg, dict(s))
-    batch = w.global_batch // dims.data_parallel_size
-    m = s.get("microbatches", 1) if dims.pp > 1 else 1
-    accumulate = cfg.trainer.get("accumulate_grad_batches", 1) if dims.pp == 1 else 1
-    layout = Layout(dims.dp, dims.sharding, dims.tp, dims.pp, dims.ep, zero_stage=3 if dims.sharding > 1 else 0,
-                    micro_batch=batch // (m * accumulate), microbatches=m, accumulate=accumulate,
-                    schedule=s.get("schedule", "1f1b"), virtual_stages=s.get("virtual_stages") or (2 if s.get("schedule") in ("interleaved_1f1b", "zero_bubble", "zbv") and dims.pp > 1 else 1),
-                    reshard_after_forward=dims.pp == 1 if s.get("reshard_after_forward") is None else bool(s.get("reshard_after_forward")))
-    candidate = evaluate(w, hw, layout)
-    text = format_ranking(AutoPlan(world, hw, w, [candidate]), top=1)
-    return text.replace("strategy=auto:", "the cost model's estimate of this layout:", 1).replace("chosen: ", "estimate: ")
-
-
 def chosen_as_hybrid4d(overrides: list[str], layout: Any) -> list[str]:
     """The overrides that train ``layout`` with ``strategy=hybrid4d`` (what ``strategy=auto`` resolves to)."""
     kept = [o for o in overrides if not o.lstrip("+~").startswith("strategy")]
@@ -110,20 +69,18 @@ def chosen_as_hybrid4d(overrides: list[str], layout: Any) -> list[str]:
     return [*kept, *chosen]
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str] | None = None) -> int:
+    """``python -m parallelkit.plan [overrides] [--png PATH] [--json PATH] [--top N] [--hardware NAME|PATH]
+    [--ranks-limit N] [--calibrate [--out PATH]]``: exit code 0, or 2 on bad input."""
     try:
-        overrides, flags = parse(argv)
+        overrides, flags = parse(list(sys.argv[1:] if argv is None else argv))
         if flags["calibrate"]:
             return run_calibration(overrides, flags)
-        from parallelkit.plan import compose_config
-
         cfg = compose_config(overrides)
         if cfg.strategy.get("_target_") == AUTO_TARGET:
             start = time.perf_counter()
             plan = auto_plan_from_config(cfg)
             seconds = time.perf_counter() - start
-            from parallelkit.planner.report import format_ranking, write_json
-
             print(format_ranking(plan, flags.get("top", 8)))
             print(f"planned {len(plan.candidates):,} candidates ({plan.invalid_layouts} degree sets pruned before costing) in {seconds:.2f} s")
             if flags.get("json"):
@@ -137,13 +94,13 @@ def main(argv: list[str]) -> int:
                               f"(this command has strategy={cfg.strategy.get('_target_', '?').rsplit('.', 1)[-1]}, one fixed layout).")
         elif flags.get("hardware"):
             print(estimate_fixed_layout(cfg, flags["hardware"]))
-        from parallelkit.plan import build_plan, draw_plan, format_plan
-
         plan = build_plan(overrides)
     except ConfigError as err:
         print(f"Error: {err}", file=sys.stderr)
         return 2
     print(format_plan(plan))
+    from parallelkit.planner.plot import draw_plan  # matplotlib: only when drawing
+
     out = draw_plan(plan, Path(flags["png"]) if flags.get("png") else default_png(plan.dims, flags.get("json")))
     print(f"rank grid drawn to {out}")
     return 0
@@ -158,11 +115,6 @@ def default_png(dims: Any, json_path: str | None) -> Path:
 
 
 def run_calibration(overrides: list[str], flags: dict[str, Any]) -> int:
-    from parallelkit.auto_plan import workload_of
-    from parallelkit.plan import compose_config
-    from parallelkit.planner.calibrate import calibrate
-    from parallelkit.planner.hardware import save_profile
-
     cfg = compose_config(overrides)
     world = cfg.trainer.get("devices") or 2
     start = time.perf_counter()
