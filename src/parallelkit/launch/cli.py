@@ -173,6 +173,13 @@ def exit_after(main: Callable[[], None]) -> None:
     except BaseException:  # noqa: BLE001 - report anything, then exit non-zero
         traceback.print_exc()
         code = 1
+    from parallelkit.launch import local_ranks
+
+    if code and local_ranks.is_started_rank() and not local_ranks.joined():
+        # A rank started by rank 0 that failed before the process group formed (a command line that does not
+        # compose, bad input): rank 0 finds the same and says it; this rank's own words matter only if rank 0 goes on.
+        local_ranks.defer_to_rank0()
+        local_ranks.composed()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

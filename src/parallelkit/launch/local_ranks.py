@@ -51,6 +51,7 @@ _observing: threading.Event | None = None  # set while rank 0 watches its ranks
 _store = None  # rank 0: the rendezvous store's server, hosted before the ranks reach it
 _held_stderr: tuple[int, Any] | None = None  # a started rank: (real stderr fd, the file holding its output)
 _parent_pid = os.getppid()
+_deferred = False  # a started rank has waited for rank 0's verdict once already
 
 
 def spawn(command: list[str], env: dict[str, str], keep_fd: int) -> Any:
@@ -342,6 +343,10 @@ def composed() -> None:
 def defer_to_rank0(timeout_s: float = DEFER_S) -> None:
     """A started rank's run failed before training: rank 0 builds the same run and reports bad input itself,
     then ends the job (this rank leaves silently, :func:`_watch_rank0`). Return only if rank 0 goes on."""
+    global _deferred
+    if _deferred:
+        return
+    _deferred = True
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline and not _rank0_gone():
         time.sleep(0.1)
