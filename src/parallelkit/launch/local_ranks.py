@@ -37,6 +37,7 @@ import sys
 import tempfile
 import threading
 import time
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 RANK0_FD_ENV = "PARALLELKIT_RANK0_FD"  # in a started rank: the read end of rank 0's pipe (see _watch_rank0)
@@ -44,14 +45,28 @@ _STOP = b"s"  # rank 0 ends the job early (abort); the pipe's bare end means ran
 _EXTERNAL = ("LOCAL_RANK", "RANK", "TORCHELASTIC_RUN_ID", "SLURM_NTASKS")  # someone else started the processes
 DEFER_S = 30.0  # how long a rank whose run failed waits for rank 0's verdict before it reports the error itself
 
-_children: list[Any] = []  # rank 0: the ranks it started (Popen-like: pid, poll, wait, kill)
-_pipes: list[int] = []  # rank 0: the write end of each started rank's pipe (plain fds: nothing to finalize)
-_before_hydra = False  # rank 0: the ranks were started from the command line, before Hydra composed
-_observing: threading.Event | None = None  # set while rank 0 watches its ranks
-_store = None  # rank 0: the rendezvous store's server, hosted before the ranks reach it
-_held_stderr: tuple[int, Any] | None = None  # a started rank: (real stderr fd, the file holding its output)
-_parent_pid = os.getppid()
-_deferred = False  # a started rank has waited for rank 0's verdict once already
+@dataclass
+class _Job:
+    """Rank 0's side: the ranks it started for the current job."""
+
+    children: list[Any] = field(default_factory=list)  # Popen-like: pid, poll, wait, kill
+    pipes: list[int] = field(default_factory=list)  # the write end of each one's pipe (plain fds: nothing to finalize)
+    before_hydra: bool = False  # started from the command line, before Hydra composed
+    observing: threading.Event | None = None  # set while rank 0 watches them (_observe)
+    store: Any = None  # the rendezvous store's server, hosted before the ranks reach it
+
+
+@dataclass
+class _Rank0Watch:
+    """A started rank's side: its rank 0, and what it holds back until rank 0's verdict."""
+
+    parent_pid: int = field(default_factory=os.getppid)
+    held_stderr: tuple[int, Any] | None = None  # (the real stderr fd, the file holding this rank's output)
+    deferred: bool = False  # has waited for rank 0's verdict once already
+
+
+_job = _Job()
+_watch = _Rank0Watch()
 
 
 def spawn(command: list[str], env: dict[str, str], keep_fd: int) -> Any:
@@ -92,19 +107,16 @@ def prepare_process(argv: list[str] | None = None) -> None:
     launching process whose command line says ``trainer.devices=N``: start ranks 1..N-1 now.
     """
     if is_started_rank():
-        global _parent_pid, _observing
+        global _job, _watch
         # What a rank forked from its rank 0 (the test harness) inherited describes rank 0's job, not its own.
-        _parent_pid, _observing = os.getppid(), None
-        _children.clear()
-        _pipes.clear()
+        _job, _watch = _Job(), _Rank0Watch()
         threading.Thread(target=_watch_rank0, daemon=True, name="parallelkit-rank0-watch").start()
         _hold_stderr()
         return
     count = devices_on_command_line(sys.argv[1:] if argv is None else argv)
     if count:
-        global _before_hydra
         _start(count, _script_command())
-        _before_hydra = True
+        _job.before_hydra = True
 
 
 def ensure_started(devices: int, num_nodes: int = 1) -> None:
@@ -112,8 +124,8 @@ def ensure_started(devices: int, num_nodes: int = 1) -> None:
     from a config file or the strategy's default), or replace ranks started for another count."""
     if is_started_rank() or devices < 2:
         return
-    if _children:
-        if len(_children) == devices - 1:
+    if _job.children:
+        if len(_job.children) == devices - 1:
             _host_store()
             return
         abort()  # started from the command line for a count the composed config does not confirm
@@ -125,17 +137,16 @@ def ensure_started(devices: int, num_nodes: int = 1) -> None:
 
 def started() -> int:
     """How many local processes this job has if rank 0 started them (0: it did not)."""
-    return len(_children) + 1 if _children else 0
+    return len(_job.children) + 1 if _job.children else 0
 
 
 def started_before_hydra() -> bool:
-    return bool(_children) and _before_hydra
+    return bool(_job.children) and _job.before_hydra
 
 
 def _start(count: int, command: list[str], num_nodes: int = 1) -> None:
     """Start local ranks 1..count-1 of this node. Several nodes without torchrun/SLURM are started as with
     Lightning: the same command on each node with ``NODE_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT`` set by the user."""
-    global _observing
     node_rank = int(os.environ.get("NODE_RANK", "0")) if num_nodes > 1 else 0
     port = os.environ.get("MASTER_PORT") or str(_free_port())
     launch = {"MASTER_ADDR": os.environ.get("MASTER_ADDR", "127.0.0.1"), "MASTER_PORT": port, "NODE_RANK": str(node_rank),
@@ -145,16 +156,16 @@ def _start(count: int, command: list[str], num_nodes: int = 1) -> None:
         rank = node_rank * count + local_rank
         env = {**os.environ, **launch, "RANK": str(rank), "LOCAL_RANK": str(local_rank), RANK0_FD_ENV: str(read)}
         try:
-            _children.append(spawn(command, env, read))
+            _job.children.append(spawn(command, env, read))
         finally:
             os.close(read)
         os.set_inheritable(write, False)
-        _pipes.append(write)
+        _job.pipes.append(write)
     os.environ.update(launch, RANK=str(node_rank * count), LOCAL_RANK="0")
-    _observing = threading.Event()
-    _observing.set()
+    _job.observing = threading.Event()
+    _job.observing.set()
     # Ends the whole job if a rank dies (like Lightning's own observer), naming the rank first.
-    threading.Thread(target=_observe, args=(list(_children), _observing), daemon=True, name="parallelkit-rank-observer").start()
+    threading.Thread(target=_observe, args=(list(_job.children), _job.observing), daemon=True, name="parallelkit-rank-observer").start()
 
 
 def _entry_command() -> list[str]:
@@ -223,8 +234,7 @@ def _host_store() -> None:
     is not a worker. It listens on ``MASTER_ADDR``'s address only (:mod:`parallelkit.distributed.listeners`).
     If it cannot start, ``init_process_group`` will say why itself.
     """
-    global _store
-    if _store is not None or os.environ.get("NODE_RANK", "0") != "0":
+    if _job.store is not None or os.environ.get("NODE_RANK", "0") != "0":
         return
     try:
         from datetime import timedelta
@@ -235,10 +245,10 @@ def _host_store() -> None:
 
         addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
         address = listen_address(addr, one_machine=os.environ["WORLD_SIZE"] == os.environ["LOCAL_WORLD_SIZE"])
-        _store = host_store(address, port) if address else dist.TCPStore(
+        _job.store = host_store(address, port) if address else dist.TCPStore(
             addr, port, is_master=True, wait_for_workers=False, multi_tenant=True, timeout=timedelta(seconds=60))
     except Exception:  # noqa: BLE001 - an optimisation: the usual rendezvous still works (or explains)
-        _store = None
+        _job.store = None
 
 
 def abort(grace_s: float = 3.0) -> None:
@@ -247,7 +257,7 @@ def abort(grace_s: float = 3.0) -> None:
     gloo closes rank 0's connections only when its process exits, not when its process group is destroyed,
     so a rank in a collective would otherwise wait for the timeout. One still running after ``grace_s`` is killed.
     """
-    for fd in _pipes:
+    for fd in _job.pipes:
         with contextlib.suppress(OSError):
             os.write(fd, _STOP)
     finish(timeout_s=grace_s)
@@ -255,24 +265,20 @@ def abort(grace_s: float = 3.0) -> None:
 
 def finish(timeout_s: float = 60.0) -> None:
     """Wait for the ranks this job started, kill what is left, and forget them (a sweep's next job starts anew)."""
-    global _store, _observing, _before_hydra
-    if _observing is not None:  # first: the observer must not report the ranks this stops
-        _observing.clear()
-        _observing = None
+    global _job
+    job, _job = _job, _Job()  # a sweep's next job starts anew; the store's server stops once the group's handle is gone too
+    if job.observing is not None:  # first: the observer must not report the ranks this stops
+        job.observing.clear()
     deadline = time.monotonic() + timeout_s
-    for child in _children:
+    for child in job.children:
         try:
             child.wait(timeout=max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             child.kill()
             child.wait()
-    for fd in _pipes:
+    for fd in job.pipes:
         with contextlib.suppress(OSError):
             os.close(fd)
-    _children.clear()
-    _pipes.clear()
-    _before_hydra = False
-    _store = None  # the server stops once the process group's own handle is gone too
     if "torch" in sys.modules:
         from parallelkit.distributed.listeners import release_stores
 
@@ -288,9 +294,9 @@ def failed_peers(grace_s: float = 2.0) -> list[str]:
             time.sleep(0.1)  # a dying rank 0 may take a moment to be gone
         return ["rank 0 (the launching process) is gone"] if _rank0_gone() else []
     while True:
-        failed = [f"rank {rank} exited with code {code}" for rank, code in ((r, c.poll()) for r, c in enumerate(_children, start=1))
+        failed = [f"rank {rank} exited with code {code}" for rank, code in ((r, c.poll()) for r, c in enumerate(_job.children, start=1))
                   if code not in (None, 0)]
-        if failed or time.monotonic() > deadline or not _children:
+        if failed or time.monotonic() > deadline or not _job.children:
             return failed
         time.sleep(0.1)
 
@@ -309,27 +315,25 @@ def job_environment() -> Iterator[None]:
 
 # ---------------------------------------------------------------------------------------- a started rank
 def _rank0_gone() -> bool:
-    return os.getppid() != _parent_pid
+    return os.getppid() != _watch.parent_pid
 
 
 def _hold_stderr() -> None:
     """Keep this rank's stderr in a file until :func:`composed`: a command line that does not compose is
     reported by rank 0, once, not by every rank."""
-    global _held_stderr
     held = tempfile.TemporaryFile()
     real = os.dup(2)
     sys.stderr.flush()
     os.dup2(held.fileno(), 2)
-    _held_stderr = (real, held)
+    _watch.held_stderr = (real, held)
 
 
 def composed() -> None:
     """The config composed: this rank's stderr is the real one again, with what it held."""
-    global _held_stderr
-    if _held_stderr is None:
+    if _watch.held_stderr is None:
         return
-    real, held = _held_stderr
-    _held_stderr = None
+    real, held = _watch.held_stderr
+    _watch.held_stderr = None
     sys.stderr.flush()
     os.dup2(real, 2)
     os.close(real)
@@ -343,10 +347,9 @@ def composed() -> None:
 def defer_to_rank0(timeout_s: float = DEFER_S) -> None:
     """A started rank's run failed before training: rank 0 builds the same run and reports bad input itself,
     then ends the job (this rank leaves silently, :func:`_watch_rank0`). Return only if rank 0 goes on."""
-    global _deferred
-    if _deferred:
+    if _watch.deferred:
         return
-    _deferred = True
+    _watch.deferred = True
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline and not _rank0_gone():
         time.sleep(0.1)
