@@ -241,6 +241,15 @@ class RequireCollector(Callback):
         print(f"fault_injection: rank {trainer.global_rank} trains with the collector on", file=sys.stderr, flush=True)
 
 
+class ReportThreads(Callback):
+    """Say how many intra-op threads torch uses on this rank when training starts."""
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        import torch
+
+        print(f"fault_injection: rank {trainer.global_rank} trains with {torch.get_num_threads()} threads", file=sys.stderr, flush=True)
+
+
 class RecordListeners(Callback):
     """Write the TCP sockets this rank listens on (``parallelkit.distributed.listeners.listening_sockets``) to
     ``DIR/listeners_rank<R>.json`` once ``at_step`` steps are done: every store, process group and RPC agent

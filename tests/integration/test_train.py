@@ -178,6 +178,28 @@ def test_collector_is_back_on_on_every_rank_when_training_starts(tmp_path):
         assert f"rank {rank} trains with the collector on" in proc.stderr
 
 
+@pytest.mark.parametrize("strategy", ["ddp", "zero"])
+def test_every_strategy_shares_out_the_cores_alike(strategy, tmp_path):
+    """The ranks parallelkit starts get the node's cores shared out (as Lightning's launchers and torchrun do), whatever
+    the strategy: a strategy whose Lightning base starts no launcher (ModelParallelStrategy: zero, tp, pp, ...) once
+    ran every rank on every core while DDP's ran on their share, and every zero-vs-ddp timing was skewed by it."""
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parent), os.environ.get("PYTHONPATH", "")])
+    report = ["+callbacks.threads._target_=fault_injection.ReportThreads", "trainer.max_steps=2"]
+    share = max(1, (os.cpu_count() or 1) // 2)
+    args = [*TINY, f"strategy={strategy}", "trainer.devices=2", *report]
+    proc = run_train([*args, f"hydra.run.dir={tmp_path / 'run'}"], tmp_path, env, 240, cold=True)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    for rank in (0, 1):
+        assert f"rank {rank} trains with {share} threads" in proc.stderr, proc.stderr[-3000:]
+    # A user's own OMP_NUM_THREADS wins (negative control: the count above is not a constant of this machine's torch).
+    own = 2 if share == 1 else 1  # torch takes at most the machine's cores
+    proc = run_train([*args, f"hydra.run.dir={tmp_path / 'run_own'}"], tmp_path, {**env, "OMP_NUM_THREADS": str(own)}, 240, cold=True)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    for rank in (0, 1):
+        assert f"rank {rank} trains with {own} threads" in proc.stderr, proc.stderr[-3000:]
+
+
 def test_ddp_fp16_hook_halves_gradient_traffic(single_reference, tmp_path):
     """strategy=ddp_fp16 (a Hydra partial of parallelkit's fp16 hook) sends half the bytes and still learns the
     same thing: fp16 keeps 11 significant bits of each averaged gradient, so the loss may drift from the fp32

@@ -54,6 +54,7 @@ class _Job:
     before_hydra: bool = False  # started from the command line, before Hydra composed
     observing: threading.Event | None = None  # set while rank 0 watches them (_observe)
     store: Any = None  # the rendezvous store's server, hosted before the ranks reach it
+    threads_before: int | None = None  # rank 0's torch threads before the job shared out the cores
 
 
 @dataclass
@@ -150,7 +151,10 @@ def _start(count: int, command: list[str], num_nodes: int = 1) -> None:
     node_rank = int(os.environ.get("NODE_RANK", "0")) if num_nodes > 1 else 0
     port = os.environ.get("MASTER_PORT") or str(_free_port())
     launch = {"MASTER_ADDR": os.environ.get("MASTER_ADDR", "127.0.0.1"), "MASTER_PORT": port, "NODE_RANK": str(node_rank),
-              "WORLD_SIZE": str(count * num_nodes), "LOCAL_WORLD_SIZE": str(count)}
+              "WORLD_SIZE": str(count * num_nodes), "LOCAL_WORLD_SIZE": str(count),
+              # The node's cores shared out, as Lightning's launchers do (torchrun: 1), for every strategy alike: each
+              # rank's torch would otherwise use every core, and N ranks would fight over them.
+              "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // count))}
     for local_rank in range(1, count):
         read, write = os.pipe()
         rank = node_rank * count + local_rank
@@ -162,6 +166,10 @@ def _start(count: int, command: list[str], num_nodes: int = 1) -> None:
         os.set_inheritable(write, False)
         _job.pipes.append(write)
     os.environ.update(launch, RANK=str(node_rank * count), LOCAL_RANK="0")
+    if "torch" in sys.modules:  # started once the job's count was known: torch read OMP_NUM_THREADS already
+        torch = sys.modules["torch"]
+        _job.threads_before = torch.get_num_threads()  # given back by finish(): a sweep's next job may run alone
+        torch.set_num_threads(int(launch["OMP_NUM_THREADS"]))
     _job.observing = threading.Event()
     _job.observing.set()
     # Ends the whole job if a rank dies (like Lightning's own observer), naming the rank first.
@@ -279,6 +287,8 @@ def finish(timeout_s: float = 60.0) -> None:
     for fd in job.pipes:
         with contextlib.suppress(OSError):
             os.close(fd)
+    if job.threads_before is not None:
+        sys.modules["torch"].set_num_threads(job.threads_before)
     if "torch" in sys.modules:
         from parallelkit.distributed.listeners import release_stores
 
