@@ -73,4 +73,4 @@ def test_an_int_group_is_theory_without_a_process_group():
     stats = CommStats()
     assert stats.record("x", S, "all_gather", 4) == 3 * S
     with pytest.raises(ValueError, match="unknown collective"):
-        stats.record("x", S, "scatter", 4)
+        stats.record("x", S, "scan", 4)

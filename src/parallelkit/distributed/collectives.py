@@ -6,7 +6,8 @@ send about 1.5-2× the ZeRO paper's bytes on CPU. :func:`reduce_scatter` instead
 input straight to rank ``j`` with one ``all_to_all_single`` and sums the ``n`` chunks it receives: (n−1)/n
 of the buffer leaves each rank, the bandwidth-optimal figure. On NCCL the native collective is used.
 
-Every function records what it sends in a :class:`CommStats`, as the collective that really runs (on gloo the
+Every function counts what it sends in a :class:`CommStats` under its ``kind``
+(:func:`~parallelkit.distributed.comm_counting.counting`), as the collective that really runs (on gloo the
 reduce-scatter is counted as the all-to-all it is; see :func:`comm_stats.wire_bytes`).
 """
 
@@ -17,6 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from parallelkit.distributed.comm_counting import counting
 from parallelkit.distributed.comm_stats import CommStats
 
 # torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor (the old names warn on every rank); older torch
@@ -50,26 +52,22 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: Any, stats:
         output.copy_(input.view_as(output))
         return
     if dist.get_backend(group) == "nccl":
-        if stats is not None:
-            stats.record(kind, input, "reduce_scatter", group)
-        reduce_scatter_single(output, input, group=group)
+        with counting(stats, kind):
+            reduce_scatter_single(output, input, group=group)
         return
-    if stats is not None:
-        stats.record(kind, input, "all_to_all", group)
     received = torch.empty_like(input)
-    dist.all_to_all_single(received, input.contiguous(), group=group)
+    with counting(stats, kind):
+        dist.all_to_all_single(received, input.contiguous(), group=group)
     torch.sum(received.view(n, -1), dim=0, out=output.view(-1))
 
 
 def all_gather(output: torch.Tensor, input: torch.Tensor, group: Any, stats: CommStats | None = None, kind: str = "param_all_gather") -> None:
     """``output`` = the concatenation of every group rank's ``input`` (flat, in group-rank order)."""
-    n = _group_size(group)
-    if stats is not None:
-        stats.record(kind, input, "all_gather", group)
-    if n == 1:
+    if _group_size(group) == 1:
         output.view(-1).copy_(input.view(-1))
         return
-    all_gather_single(output, input.contiguous(), group=group)
+    with counting(stats, kind):
+        all_gather_single(output, input.contiguous(), group=group)
 
 
 def all_reduce(tensor: torch.Tensor, group: Any, stats: CommStats | None = None, kind: str = "grad_all_reduce") -> None:
@@ -77,6 +75,5 @@ def all_reduce(tensor: torch.Tensor, group: Any, stats: CommStats | None = None,
     n = _group_size(group)
     if n == 1:
         return
-    if stats is not None:
-        stats.record(kind, tensor, "all_reduce", group)
-    dist.all_reduce(tensor, group=group)
+    with counting(stats, kind):
+        dist.all_reduce(tensor, group=group)

@@ -1,9 +1,11 @@
 """DDP communication hooks that count what they send, and work on every backend (gloo included).
 
 A hook receives a gradient bucket and returns a future with the reduced bucket. parallelkit's own hooks
-issue the collective themselves, so the byte count is what really went to the process group (half of the
-bucket for the fp16 hook). Any other hook (e.g. torch's PowerSGD) is wrapped by :func:`counting_hook`,
-which can only see the bucket it was handed, and records it under ``grad_hook_input``.
+label the collective they issue (:func:`~parallelkit.distributed.comm_counting.counting`), so the byte count is
+what really went to the process group (half of the bucket for the fp16 hook). torch's PowerSGD hook, run by
+:func:`compression_hook`, is counted the same way while its futures run. Any other hook is wrapped by
+:func:`counting_hook`, which records the bucket it was handed under ``grad_hook_input`` (an estimate: a
+third-party hook's own collectives are not claimed by anyone).
 """
 
 
@@ -15,6 +17,7 @@ import torch.distributed as dist
 
 # No `from __future__ import annotations` here: DDP checks the hooks' annotations at run time.
 
+from parallelkit.distributed.comm_counting import counting, counting_until
 from parallelkit.distributed.comm_stats import CommStats
 
 GRAD_ALLREDUCE = "grad_allreduce"
@@ -33,9 +36,8 @@ def allreduce_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.F
     """Average the bucket over ``state.process_group`` in the gradient's own dtype."""
     tensor = bucket.buffer()
     tensor.div_(dist.get_world_size(state.process_group))
-    if state.stats is not None:
-        state.stats.record(GRAD_ALLREDUCE, tensor, "all_reduce", state.process_group)
-    work = dist.all_reduce(tensor, group=state.process_group, async_op=True)
+    with counting(state.stats, GRAD_ALLREDUCE):
+        work = dist.all_reduce(tensor, group=state.process_group, async_op=True)
     return work.get_future().then(lambda fut: fut.value()[0])
 
 
@@ -46,9 +48,8 @@ def fp16_compress_hook(state: HookState, bucket: dist.GradBucket) -> torch.futur
     """
     buffer = bucket.buffer()
     compressed = buffer.to(torch.float16).div_(dist.get_world_size(state.process_group))
-    if state.stats is not None:
-        state.stats.record(GRAD_ALLREDUCE, compressed, "all_reduce", state.process_group)
-    work = dist.all_reduce(compressed, group=state.process_group, async_op=True)
+    with counting(state.stats, GRAD_ALLREDUCE):
+        work = dist.all_reduce(compressed, group=state.process_group, async_op=True)
 
     def decompress(fut: torch.futures.Future) -> torch.Tensor:
         buffer.copy_(fut.value()[0])
@@ -95,38 +96,6 @@ POWERSGD_ALLREDUCE = "powersgd_allreduce"
 COMPRESSION_METHODS = ("fp16", "bf16", "powersgd")
 
 
-class _CountingDist:
-    """Stands in for ``torch.distributed`` inside torch's PowerSGD modules and counts their all-reduces.
-
-    PowerSGD issues its second all-reduce (of Q) from a future's callback, where no wrapper around the
-    hook call can see it; replacing the modules' ``dist`` name sees every call. Calls on groups that no
-    parallelkit state registered are passed through uncounted.
-    """
-
-    def __init__(self, real: Any) -> None:
-        self._real = real
-        self.counters: dict = {}  # id(process group) → CommStats
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._real, name)
-
-    def all_reduce(self, tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        group = kwargs.get("group", args[1] if len(args) > 1 else None)
-        stats = self.counters.get(id(group if group is not None else self._real.group.WORLD))
-        if stats is not None:
-            stats.record(POWERSGD_ALLREDUCE, tensor, "all_reduce", group)
-        return self._real.all_reduce(tensor, *args, **kwargs)
-
-
-def _count_powersgd(group: Any, stats: CommStats) -> None:
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
-
-    for module in (powerSGD_hook, default_hooks):  # default_hooks: PowerSGD's plain phase
-        if not isinstance(module.dist, _CountingDist):
-            module.dist = _CountingDist(module.dist)
-        module.dist.counters[id(group)] = stats
-
-
 @dataclass
 class CompressionState:
     """A compressing hook (``inner``, with ``inner_state``) and what its traffic would have been uncompressed."""
@@ -146,7 +115,11 @@ def compression_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.
 
     state.dense_bytes += collective_bytes(bucket.buffer(), "all_reduce", state.process_group)
     state.buckets += 1
-    return state.inner(state.inner_state, bucket)
+    if state.method != "powersgd":
+        return state.inner(state.inner_state, bucket)
+    # PowerSGD issues its later all-reduces from the future's callbacks, after this call returned.
+    return counting_until(lambda: state.inner(state.inner_state, bucket), state.stats, POWERSGD_ALLREDUCE,
+                          group=state.process_group)
 
 
 compression_hook._parallelkit_counts_traffic = True
@@ -162,14 +135,17 @@ def build_compression_hook(method: str, process_group: Any, stats: Optional[Comm
         if backend == "gloo":
             raise ValueError("bf16 gradient compression (torch's bf16_compress_hook) cannot run on gloo, which has no "
                              "bfloat16 all-reduce; use method=fp16 (works on every backend), or a GPU run (nccl)")
-        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import (
+            bf16_compress_hook,
+        )
 
         inner, inner_state = counting_hook(bf16_compress_hook, stats) if stats is not None else bf16_compress_hook, process_group
     elif method == "powersgd":
-        from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, powerSGD_hook
+        from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import (
+            PowerSGDState,
+            powerSGD_hook,
+        )
 
-        if stats is not None:
-            _count_powersgd(process_group, stats)
         inner, inner_state = powerSGD_hook, PowerSGDState(process_group=process_group, **powersgd)
     else:
         raise ValueError(f"unknown compression method {method!r}; expected one of {COMPRESSION_METHODS}")

@@ -1,8 +1,10 @@
 """Counts the bytes each collective parallelkit issues makes this rank send, as the backend really sends them.
 
-Every place in parallelkit that issues a collective records it here under a *kind* (``grad_allreduce``,
-``metrics``, ...) with the collective's name and process group. The count is what the algorithm the
-group's backend runs writes to the wire from this rank (:func:`wire_bytes`), not an ideal algorithm's:
+Collectives are counted into a ``CommStats`` at the collective boundary (:mod:`parallelkit.distributed.comm_counting`:
+one kernel on torch's ``c10d`` operators, labelled with a *kind* — ``grad_allreduce``, ``metrics``, ... — by the
+code that issues them); :meth:`CommStats.record` remains for traffic that is no collective (the parameter
+server's RPCs) and for figures worked out by hand. The count is what the algorithm the group's backend runs
+writes to the wire from this rank (:func:`wire_bytes`), not an ideal algorithm's:
 
 - **gloo** (CPU; measured here with torch 2.13, and read from gloo's sources): all-reduce is a ring over
   ``max(2n, ⌈S / 1 MiB⌉)`` segments (2(n−1)/n·S); ``reduce_scatter_tensor`` is that same all-reduce of the
@@ -39,7 +41,7 @@ VALIDATION = "validation"
 REPORT = "report"
 PHASES = (TRAIN, VALIDATION, REPORT)
 
-OPS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast", "reduce", "gather", "send", "recv", "barrier")
+OPS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast", "reduce", "gather", "scatter", "send", "recv", "barrier")
 
 #: gloo's TCP transport: every message starts with a 6 × 8-byte preamble (gloo/transport/tcp/pair.cc).
 GLOO_PREAMBLE = 48
@@ -86,7 +88,7 @@ class CommStats:
         Args:
             payload: the tensor handed to the collective (or its size in bytes): the whole buffer for
                 all-reduce, reduce-scatter, all-to-all, broadcast and reduce, this rank's shard for
-                all-gather and gather, the message for send / recv. Without ``op`` it is taken as the bytes sent.
+                all-gather, gather and scatter, the message for send / recv. Without ``op`` it is taken as the bytes sent.
             op: the collective (one of :data:`OPS`).
             group: its process group (``None``: the default group). An ``int`` stands for a group of that
                 many ranks of unknown backend, counted at the ring figures (theory, no process group needed).
@@ -98,6 +100,10 @@ class CommStats:
             nbytes = payload if isinstance(payload, int) else _nbytes(payload)
         else:
             nbytes = collective_bytes(payload, op, group, root=root, peer_bytes=peer_bytes, element_size=element_size)
+        return self.add(kind, nbytes)
+
+    def add(self, kind: str, nbytes: int) -> int:
+        """Count one collective of ``nbytes`` already worked out (the counting kernel's entry) in the current phase."""
         self._bytes[self.phase][kind] += int(nbytes)
         self._calls[self.phase][kind] += 1
         return int(nbytes)
@@ -197,6 +203,8 @@ def _ring_bytes(op: str, s: float, n: int, rank: int, root: int, peer_bytes: Seq
         return 0 if rank == (root - 1) % n else s
     if op in ("reduce", "gather"):  # a ring/chain towards the root: every rank but the root sends
         return 0 if rank == root else s
+    if op == "scatter":  # the root sends every other rank its part
+        return (n - 1) * s if rank == root else 0
     if op == "send":
         return s
     return 0  # recv, barrier
@@ -217,6 +225,8 @@ def _gloo_bytes(op: str, s: int, n: int, rank: int, root: int, esize: int, peer_
         data, sends, recvs = _gloo_reduce(s, n, rank, root, esize)
     elif op == "gather":  # gloo/gather.cc: every rank but the root sends its shard
         data, sends, recvs = (0, 0, n - 1) if rank == root else (s, 1, 0)
+    elif op == "scatter":  # gloo/scatter.cc: the root sends every other rank its part
+        data, sends, recvs = ((n - 1) * s, n - 1, 0) if rank == root else (0, 0, 1)
     elif op == "send":
         data, sends, recvs = s, 1, 0
     elif op == "barrier":  # rounds of empty messages with peers 2^i away

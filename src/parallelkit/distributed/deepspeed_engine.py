@@ -4,13 +4,12 @@
 that already exists (gloo on CPU, NCCL on GPU) and returns the engine. Two things DeepSpeed does not report
 the way ``summary.json`` needs them are measured here:
 
-- **Traffic.** Every collective DeepSpeed issues goes through ``deepspeed.comm``'s backend object (its ZeRO
-  and engine code import ``deepspeed.comm as dist``, never ``torch.distributed``). ``count_deepspeed_comm``
-  wraps that object's methods and records each call in a :class:`CommStats` under ``deepspeed_<op>``, at the
-  algorithm the group's backend runs (:func:`~parallelkit.distributed.comm_stats.wire_bytes`). On gloo,
-  whose reduce-scatter is an all-reduce plus a slice, ZeRO-3's gradient reduce-scatter is routed through
-  parallelkit's one-all-to-all reduce-scatter (:func:`~parallelkit.distributed.collectives.reduce_scatter`),
-  which sends half the bytes.
+- **Traffic.** Every collective DeepSpeed issues goes through ``deepspeed.comm`` into ``torch.distributed``,
+  where the counting layer sees it (:mod:`parallelkit.distributed.comm_counting`); the strategy runs the
+  engine's forward, backward and step inside :func:`counting_deepspeed`, so they count as
+  ``deepspeed_<collective>`` at the algorithm the group's backend runs. On gloo, whose reduce-scatter is an
+  all-reduce plus a slice, ZeRO's gradient reduce-scatter is routed through parallelkit's one-all-to-all
+  reduce-scatter (:func:`route_reduce_scatter`), which sends half the bytes.
 - **Memory.** ``deepspeed_state_bytes`` walks the ZeRO optimizer object graph (flat parameter buffers, fp32
   master partitions, gradient partitions, reduce buckets, the torch optimizer's state) and sums distinct
   storages once each, so a view into a flat buffer is not counted twice and a buffer nobody names in
@@ -19,7 +18,6 @@ the way ``summary.json`` needs them are measured here:
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 from collections import defaultdict
@@ -28,6 +26,7 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.distributed as dist
 
+from parallelkit.distributed.comm_counting import counting
 from parallelkit.distributed.comm_stats import CommStats
 
 KIND_PREFIX = "deepspeed_"
@@ -36,16 +35,17 @@ _MAX_DEPTH = 8
 _MASTER_COPIES = ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat")
 
 
-def apply_deepspeed(module: torch.nn.Module, optimizer: torch.optim.Optimizer, config: dict[str, Any], *, comm_stats: CommStats | None = None) -> Any:
+def apply_deepspeed(module: torch.nn.Module, optimizer: torch.optim.Optimizer, config: dict[str, Any]) -> Any:
     """Wrap ``module`` and ``optimizer`` in a DeepSpeed engine configured by ``config``; return the engine.
 
-    The default process group must exist. With ``comm_stats`` every collective DeepSpeed issues from now
-    on (not the parameter broadcast of its own start-up) is counted there.
+    The default process group must exist. Count what the engine sends by running it inside
+    :func:`counting_deepspeed`.
 
     Example::
 
         engine = apply_deepspeed(model, torch.optim.AdamW(model.parameters()), build_deepspeed_config(2))
-        loss = model.loss(engine(x), y); engine.backward(loss); engine.step()
+        with counting_deepspeed(stats):
+            loss = model.loss(engine(x), y); engine.backward(loss); engine.step()
     """
     if not dist.is_initialized():
         raise RuntimeError("apply_deepspeed needs an initialised default process group (torch.distributed).")
@@ -53,8 +53,7 @@ def apply_deepspeed(module: torch.nn.Module, optimizer: torch.optim.Optimizer, c
     if dist.get_backend() == "gloo":
         _ask_device_count_once()
     engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, config=config, dist_init_required=False)
-    if comm_stats is not None:
-        count_deepspeed_comm(comm_stats)
+    route_reduce_scatter()
     return engine
 
 
@@ -103,46 +102,17 @@ def _ask_device_count_once() -> None:
 
 
 # ----------------------------------------------------------------------------------------------- traffic
-def _nbytes(tensors: Any) -> int:
-    if isinstance(tensors, torch.Tensor):
-        return tensors.numel() * tensors.element_size()
-    return sum(_nbytes(t) for t in tensors)
+#: the kind of every collective DeepSpeed issues inside :func:`counting_deepspeed` (``deepspeed_all_reduce``, ...)
+KIND = KIND_PREFIX + "{op}"
 
 
-def _flat(stats: CommStats, kind: str, op: str, tensors: Any, arguments: dict[str, Any]) -> None:
-    """A coalesced list that gloo flattens into one collective (all-reduce, all-gather)."""
-    tensors = list(tensors)
-    if tensors:
-        stats.record(kind, _nbytes(tensors), op, arguments["group"], element_size=tensors[0].element_size())
+def counting_deepspeed(stats: CommStats | None) -> Any:
+    """Count what DeepSpeed issues inside the block (forward, backward, step) as ``deepspeed_<collective>``.
 
-
-# Backend method → (its parameters in order, how to count one call). DeepSpeed passes arguments by position,
-# and its decorators hide the signatures, hence the names here (those of deepspeed.comm.torch.TorchBackend).
-# Each call is counted at the algorithm the group's backend runs (CommStats.record with the group).
-_COUNTERS: dict[str, tuple[tuple[str, ...], Callable[[CommStats, str, dict[str, Any]], Any]]] = {
-    "all_reduce": (("tensor", "op", "group"), lambda s, k, a: s.record(k, a["tensor"], "all_reduce", a["group"])),
-    "all_reduce_coalesced": (("tensors", "op", "group"), lambda s, k, a: _flat(s, k, "all_reduce", a["tensors"], a)),
-    "reduce": (("tensor", "dst", "op", "group"), lambda s, k, a: s.record(k, a["tensor"], "reduce", a["group"], root=a["dst"])),
-    "reduce_scatter_tensor": (("output_tensor", "input_tensor", "op", "group"), lambda s, k, a: s.record(k, a["input_tensor"], "reduce_scatter", a["group"])),
-    # the list form on NCCL (on gloo it is routed, below)
-    "reduce_scatter": (("output", "input_list", "op", "group"), lambda s, k, a: s.record(
-        k, _nbytes(a["input_list"]), "reduce_scatter", a["group"], element_size=a["output"].element_size())),
-    "all_gather_into_tensor": (("output_tensor", "input_tensor", "group"), lambda s, k, a: s.record(k, a["input_tensor"], "all_gather", a["group"])),
-    "all_gather_base": (("output_tensor", "input_tensor", "group"), lambda s, k, a: s.record(k, a["input_tensor"], "all_gather", a["group"])),
-    "all_gather": (("tensor_list", "tensor", "group"), lambda s, k, a: s.record(k, a["tensor"], "all_gather", a["group"])),
-    # one all-gather per tensor inside a coalescing manager, which hands gloo one flattened all-gather
-    "all_gather_coalesced": (("output_tensors", "input_tensors", "group"), lambda s, k, a: _flat(s, k, "all_gather", a["input_tensors"], a)),
-    "broadcast": (("tensor", "src", "group"), lambda s, k, a: s.record(k, a["tensor"], "broadcast", a["group"], root=a["src"])),
-    "all_to_all_single": (("output", "input", "output_split_sizes", "input_split_sizes", "group"), lambda s, k, a: s.record(
-        k, a["input"], "all_to_all", a["group"], peer_bytes=_split_bytes(a["input"], a.get("input_split_sizes")))),
-}
-
-
-def _split_bytes(tensor: torch.Tensor, splits: Any) -> list[int] | None:
-    if not splits:
-        return None
-    row = _nbytes(tensor) // max(tensor.shape[0], 1)
-    return [int(n) * row for n in splits]
+    DeepSpeed's ``deepspeed.comm`` calls ``torch.distributed``, so its collectives reach the counting layer
+    at the collective boundary like everyone's (:mod:`parallelkit.distributed.comm_counting`).
+    """
+    return counting(stats, KIND)
 
 
 class _Done:
@@ -155,39 +125,33 @@ class _Done:
         return True
 
 
-class _CommCounter:
-    """The wrappers installed on DeepSpeed's backend; ``stats`` can be re-pointed and counting paused."""
+# DeepSpeed passes arguments by position, and its decorators hide the signatures, hence the names here
+# (those of deepspeed.comm.torch.TorchBackend).
+_REDUCE_SCATTERS = {
+    "reduce_scatter_tensor": ("output_tensor", "input_tensor", "op", "group"),
+    "reduce_scatter": ("output", "input_list", "op", "group"),
+}
 
-    def __init__(self, stats: CommStats) -> None:
-        self.stats = stats
-        self.paused = 0
 
-    def wrap(self, op: str, method: Callable[..., Any], names: tuple[str, ...], count: Callable[[CommStats, str, dict[str, Any]], Any]) -> Callable[..., Any]:
-        def counted(*args: Any, **kwargs: Any) -> Any:
-            arguments = {"group": None, **dict(zip(names, args)), **kwargs}
-            if op in ("reduce_scatter_tensor", "reduce_scatter") and _routable(arguments):
-                return self._reduce_scatter(arguments)
-            if not self.paused:
-                count(self.stats, KIND_PREFIX + op, arguments)
+def _routed(method: Callable[..., Any], names: tuple[str, ...]) -> Callable[..., Any]:
+    def reduce_scatter_(*args: Any, **kwargs: Any) -> Any:
+        arguments = {"group": None, **dict(zip(names, args)), **kwargs}
+        if not _routable(arguments):
             return method(*args, **kwargs)
-
-        counted.__wrapped__ = method
-        return counted
-
-    def _reduce_scatter(self, a: dict[str, Any]) -> Any:
-        """gloo's reduce-scatter is an all-reduce plus a slice (2(n−1)/n of the input on the wire): DeepSpeed's
-        ZeRO-3 gradient reduce-scatter goes through parallelkit's one-all-to-all version instead ((n−1)/n)."""
         from parallelkit.distributed.collectives import reduce_scatter
 
-        group = a["group"]
-        if "input_list" in a:  # the list form: this rank's chunk is one of the list's tensors
-            output, full = a["output"], torch.cat([t.reshape(-1) for t in a["input_list"]])
+        group = arguments["group"]
+        if "input_list" in arguments:  # the list form: this rank's chunk is one of the list's tensors
+            output, full = arguments["output"], torch.cat([t.reshape(-1) for t in arguments["input_list"]])
         else:
-            output, full = a["output_tensor"], a["input_tensor"]
-        reduce_scatter(output, full, group, None if self.paused else self.stats, KIND_PREFIX + "reduce_scatter_tensor")
-        if _op_name(a) == "AVG":
+            output, full = arguments["output_tensor"], arguments["input_tensor"]
+        reduce_scatter(output, full, group)  # counted at the boundary, as the all-to-all it is
+        if _op_name(arguments) == "AVG":
             output.div_(dist.get_world_size(group))
         return _Done()
+
+    reduce_scatter_.__wrapped__ = method
+    return reduce_scatter_
 
 
 def _op_name(arguments: dict[str, Any]) -> str:
@@ -211,33 +175,21 @@ def _backend() -> Any:
     return ds_comm.cdb
 
 
-def count_deepspeed_comm(stats: CommStats) -> None:
-    """Count every collective DeepSpeed issues from now on in ``stats`` (idempotent: re-points the counter)."""
+def route_reduce_scatter() -> None:
+    """On gloo, send DeepSpeed's reduce-scatters through parallelkit's one-all-to-all version (idempotent).
+
+    gloo's reduce-scatter is an all-reduce plus a slice (2(n−1)/n of the input on the wire); ZeRO's gradient
+    reduce-scatter then sends the ZeRO paper's (n−1)/n instead. This changes what runs, not what is
+    counted: it replaces the two reduce-scatter methods of DeepSpeed's backend object, nothing else.
+    """
     backend = _backend()
-    counter = getattr(backend, "_parallelkit_counter", None)
-    if counter is not None:
-        counter.stats = stats
+    if getattr(backend, "_parallelkit_routed", False):
         return
-    counter = _CommCounter(stats)
-    for op, (names, count) in _COUNTERS.items():
+    for op, names in _REDUCE_SCATTERS.items():
         method = getattr(backend, op, None)
         if method is not None:
-            setattr(backend, op, counter.wrap(op, method, names, count))
-    backend._parallelkit_counter = counter
-
-
-@contextlib.contextmanager
-def deepspeed_comm_paused() -> Iterator[None]:
-    """Collectives inside this block are not counted (checkpoint saving and loading: not training traffic)."""
-    counter = getattr(_backend(), "_parallelkit_counter", None)
-    if counter is None:
-        yield
-        return
-    counter.paused += 1
-    try:
-        yield
-    finally:
-        counter.paused -= 1
+            setattr(backend, op, _routed(method, names))
+    backend._parallelkit_routed = True
 
 
 # ------------------------------------------------------------------------------------------------ memory

@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from parallelkit.distributed.collectives import all_gather_single
+from parallelkit.distributed.comm_counting import counting
 from parallelkit.distributed.comm_hooks import counts_own_traffic
 from parallelkit.distributed.comm_stats import CommStats, collective_bytes
 
@@ -125,11 +126,9 @@ def topk_count(numel: int, sparsity: float) -> int:
     return max(1, math.ceil(numel * (1.0 - sparsity) - 1e-9))
 
 
-def _record(state: DGCState, kind: str, tensor: torch.Tensor, op: str) -> None:
-    if state.stats is not None:
-        state.step_sent_bytes += state.stats.record(kind, tensor, op, state.process_group)
-    else:
-        state.step_sent_bytes += collective_bytes(tensor, op, state.process_group)
+def _record(state: DGCState, tensor: torch.Tensor, op: str) -> None:
+    """This step's bytes, for the compression ratio (the collective itself is counted where it is issued)."""
+    state.step_sent_bytes += collective_bytes(tensor, op, state.process_group)
 
 
 @torch.no_grad()
@@ -190,15 +189,17 @@ def dgc_hook(state: DGCState, bucket: dist.GradBucket) -> torch.futures.Future[t
         value = torch.cat(sparse_value)
         all_index = index.new_empty(world * index.numel())
         all_value = value.new_empty(world * value.numel())
-        _record(state, DGC_SPARSE, index, "all_gather")
-        _all_gather(all_index, index, state.process_group)
-        _record(state, DGC_SPARSE, value, "all_gather")
-        _all_gather(all_value, value, state.process_group)
+        _record(state, index, "all_gather")
+        _record(state, value, "all_gather")
+        with counting(state.stats, DGC_SPARSE):
+            _all_gather(all_index, index, state.process_group)
+            _all_gather(all_value, value, state.process_group)
         result.index_add_(0, all_index.long(), all_value)  # coordinates several ranks sent are summed
     if dense_spans:
         flat = torch.cat([t for _, t in dense_spans])
-        _record(state, DGC_DENSE, flat, "all_reduce")
-        dist.all_reduce(flat, group=state.process_group)
+        _record(state, flat, "all_reduce")
+        with counting(state.stats, DGC_DENSE):
+            dist.all_reduce(flat, group=state.process_group)
         pos = 0
         for start, tensor in dense_spans:
             result[start : start + tensor.numel()] = flat[pos : pos + tensor.numel()]

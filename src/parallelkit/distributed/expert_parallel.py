@@ -25,7 +25,6 @@ the mean over all data-parallel ranks, like every dense parameter's.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,6 +33,7 @@ import torch.distributed as dist
 from torch import nn
 
 from parallelkit.distributed.collectives import all_gather_single
+from parallelkit.distributed.comm_counting import counting
 from parallelkit.distributed.comm_stats import CommStats
 from parallelkit.errors import ConfigError
 
@@ -108,9 +108,8 @@ class CollectiveRouting:
         if self.size == 1:
             return stats.unsqueeze(0), 0
         out = stats.new_empty(self.size * stats.numel())  # gloo wants a flat output
-        if self.comm_stats is not None:
-            self.comm_stats.record(MOE_ROUTING, stats, "all_gather", self.group)
-        all_gather_single(out, stats.reshape(-1).contiguous(), group=self.group)
+        with counting(self.comm_stats, MOE_ROUTING):
+            all_gather_single(out, stats.reshape(-1).contiguous(), group=self.group)
         return out.view(self.size, *stats.shape), self.rank
 
 
@@ -130,10 +129,8 @@ class _AllToAll(torch.autograd.Function):
 
 def _exchange(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: Any, stats: CommStats | None, me: int) -> torch.Tensor:
     out = x.new_empty((sum(out_splits), *x.shape[1:]))
-    if stats is not None:  # every rank but this one gets its rows (gloo: even an empty split is a message)
-        row = math.prod(x.shape[1:]) * x.element_size()
-        stats.record(MOE_ALL_TO_ALL, x, "all_to_all", group, peer_bytes=[n * row for n in in_splits])
-    dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+    with counting(stats, MOE_ALL_TO_ALL):  # every rank but this one gets its rows (gloo: even an empty split is a message)
+        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
     return out
 
 
@@ -153,9 +150,8 @@ class _TokenDispatch:
         ep, per_rank = self.ep, self.per_rank
         send_counts = counts.view(ep, per_rank).contiguous()
         recv_counts = torch.empty_like(send_counts)
-        if self.comm_stats is not None:
-            self.comm_stats.record(MOE_ROUTING, send_counts, "all_to_all", self.group)
-        dist.all_to_all_single(recv_counts, send_counts, group=self.group)  # recv[src, local expert]
+        with counting(self.comm_stats, MOE_ROUTING):
+            dist.all_to_all_single(recv_counts, send_counts, group=self.group)  # recv[src, local expert]
         in_splits = send_counts.sum(dim=1).tolist()
         out_splits = recv_counts.sum(dim=1).tolist()
         received = _AllToAll.apply(tokens, out_splits, in_splits, self.group, self.comm_stats, self.me)

@@ -20,6 +20,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatt
 
 from parallelkit.distributed.blocks import repeated_blocks
 from parallelkit.distributed.collectives import all_gather_single, reduce_scatter
+from parallelkit.distributed.comm_counting import counting, start_counting, stop_counting
 from parallelkit.distributed.comm_stats import CommStats
 
 
@@ -31,9 +32,27 @@ class _CountedAllGather(AllGather):
         return torch.empty(*size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, async_op: bool = False) -> Any:
-        if self.stats is not None:
-            self.stats.record("param_all_gather", input_tensor, "all_gather", group)
-        return all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
+        with counting(self.stats, "param_all_gather"):
+            return all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
+
+
+class _ReplicaAllReduce:
+    """Under HSDP, FSDP2 all-reduces each unit's reduced shard across the replicas itself. This claims those
+    all-reduces (the only collectives on the replicas' group) from the unit's forward until FSDP2's all-reduce
+    hook, which runs right after the all-reduce of the unit's backward."""
+
+    def __init__(self, stats: CommStats, replicate_group: Any) -> None:
+        self.stats, self.replicate_group = stats, replicate_group
+        self._claim: Any = None
+
+    def forward_started(self, module: Any, args: Any) -> None:
+        self.all_reduced(None)  # a claim left open by a forward without backward (validation)
+        self._claim = start_counting(self.stats, "grad_all_reduce", group=self.replicate_group)
+
+    def all_reduced(self, grad: torch.Tensor | None) -> None:
+        if self._claim is not None:
+            stop_counting(self._claim)
+            self._claim = None
 
 
 class _CountedReduceScatter(ReduceScatter):
@@ -93,8 +112,9 @@ def apply_fsdp(
         module.set_custom_all_gather(_CountedAllGather(comm_stats))
         module.set_custom_reduce_scatter(_CountedReduceScatter(comm_stats))
         if replicas > 1 and comm_stats is not None:
-            # HSDP all-reduces the reduced shard across replicas itself; the hook sees that tensor.
-            module.set_all_reduce_hook(lambda grad: comm_stats.record("grad_all_reduce", grad, "all_reduce", replicate_group))
+            replica_all_reduce = _ReplicaAllReduce(comm_stats, replicate_group)
+            module.register_forward_pre_hook(replica_all_reduce.forward_started)
+            module.set_all_reduce_hook(replica_all_reduce.all_reduced)
     return model
 
 

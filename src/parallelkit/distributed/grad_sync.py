@@ -16,6 +16,7 @@ from typing import Any, Iterable
 import torch
 import torch.distributed as dist
 
+from parallelkit.distributed.comm_counting import counting
 from parallelkit.distributed.comm_stats import CommStats
 
 GRAD_ALLREDUCE = "grad_allreduce"
@@ -59,9 +60,8 @@ class GradAllReduce:
                     param.grad = torch.zeros_like(param)
                 grads.append(local_tensor(param.grad))
             flat = torch.cat([g.reshape(-1) for g in grads]) if len(grads) > 1 else grads[0].reshape(-1).clone()
-            if self.comm_stats is not None:
-                self.comm_stats.record(self.kind, flat, "all_reduce", self.group)
-            dist.all_reduce(flat, group=self.group)
+            with counting(self.comm_stats, self.kind):
+                dist.all_reduce(flat, group=self.group)
             flat.div_(self._size)
             offset = 0
             for grad in grads:

@@ -21,6 +21,7 @@ from typing import Any, List, Optional
 import torch
 import torch.distributed as dist
 
+from parallelkit.distributed.comm_counting import counting
 from parallelkit.distributed.comm_hooks import counts_own_traffic
 from parallelkit.distributed.comm_stats import CommStats
 
@@ -71,19 +72,16 @@ def hierarchical_allreduce_hook(state: HierarchicalState, bucket: dist.GradBucke
     is_leader = state.leader_group is not None
     local_size = state.world_size // state.num_groups
     if local_size > 1:
-        if state.stats is not None:
-            state.stats.record(INTRA, buffer, "reduce", state.local_group, root=state.leader)
-        dist.reduce(buffer, dst=state.leader, group=state.local_group)
+        with counting(state.stats, INTRA):
+            dist.reduce(buffer, dst=state.leader, group=state.local_group)
     if is_leader and state.num_groups > 1:
-        if state.stats is not None:
-            state.stats.record(INTER, buffer, "all_reduce", state.leader_group)
-        dist.all_reduce(buffer, group=state.leader_group)
+        with counting(state.stats, INTER):
+            dist.all_reduce(buffer, group=state.leader_group)
     if is_leader:
         buffer.div_(state.world_size)
     if local_size > 1:
-        if state.stats is not None:
-            state.stats.record(INTRA, buffer, "broadcast", state.local_group, root=state.leader)
-        dist.broadcast(buffer, src=state.leader, group=state.local_group)
+        with counting(state.stats, INTRA):
+            dist.broadcast(buffer, src=state.leader, group=state.local_group)
     future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     future.set_result(buffer)
     return future

@@ -33,6 +33,7 @@ from typing import Any, Iterable, List, Optional
 import torch
 import torch.distributed as dist
 
+from parallelkit.distributed.comm_counting import counting
 from parallelkit.distributed.comm_hooks import counts_own_traffic
 from parallelkit.distributed.comm_stats import CommStats
 
@@ -59,9 +60,8 @@ def local_sgd_hook(state: LocalSGDState, bucket: dist.GradBucket) -> torch.futur
         return future
     world = dist.get_world_size(state.process_group)
     buffer.div_(world)
-    if state.stats is not None:
-        state.stats.record(GRAD_ALLREDUCE, buffer, "all_reduce", state.process_group)
-    work = dist.all_reduce(buffer, group=state.process_group, async_op=True)
+    with counting(state.stats, GRAD_ALLREDUCE):
+        work = dist.all_reduce(buffer, group=state.process_group, async_op=True)
     return work.get_future().then(lambda fut: fut.value()[0])
 
 
@@ -180,9 +180,8 @@ def average_parameters(
         if carry:
             parts.append(extra.to(dtype).reshape(-1))
         flat = torch.cat(parts)
-        if stats is not None:
-            stats.record(PARAM_AVERAGE, flat, "all_reduce", group)
-        dist.all_reduce(flat, group=group)
+        with counting(stats, PARAM_AVERAGE):
+            dist.all_reduce(flat, group=group)
         flat.div_(world)
         offset = 0
         for param in group_params:

@@ -18,6 +18,7 @@ from typing import Any, Iterable
 import torch
 import torch.distributed as dist
 
+from parallelkit.distributed.comm_counting import counting
 from parallelkit.distributed.comm_stats import CommStats
 from parallelkit.errors import ConfigError
 
@@ -77,9 +78,8 @@ class DynamicLossScaler:
                 g.mul_(inv)
             found = torch.stack([(~torch.isfinite(g)).any().float() for g in grads]).max().reshape(1).cpu()
         if dist.is_available() and dist.is_initialized() and dist.get_world_size(self.group) > 1:
-            if self.comm_stats is not None:
-                self.comm_stats.record("amp_found_inf", found, "all_reduce", self.group)
-            dist.all_reduce(found, op=dist.ReduceOp.MAX, group=self.group)
+            with counting(self.comm_stats, "amp_found_inf"):
+                dist.all_reduce(found, op=dist.ReduceOp.MAX, group=self.group)
         self.last_found_inf = bool(found.item() > 0)
         return not self.last_found_inf
 

@@ -4,7 +4,10 @@
 ``torch.distributed.pipelining`` stages and a schedule (GPipe, 1F1B, interleaved 1F1B, zero bubble), and
 instruments them: every forward/backward is timed (the measured bubble is the share of a step's wall
 time a rank does not compute), the micro-batches whose activations a stage holds are counted, the bytes
-saved for backward are metered, and every activation/gradient a rank sends is counted in ``comm_stats``.
+saved for backward are metered, and every activation/gradient a rank sends or receives is counted in
+``comm_stats`` (kind ``pp_p2p``: the schedule's sends and receives, claimed at the collective boundary by
+:func:`~parallelkit.distributed.comm_counting.counting`; other collectives inside a stage, e.g. tensor
+parallel's, keep their own kinds).
 With ``trace=True`` the start/end of every compute and of every wait on a send/recv is recorded for the
 timeline picture (:mod:`parallelkit.tools.pipeline_timeline`).
 
@@ -23,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from parallelkit.distributed.comm_counting import counting
 from parallelkit.distributed.comm_stats import CommStats
 from parallelkit.errors import ConfigError
 
@@ -261,7 +265,7 @@ def pipeline_spans(active_by_rank: list[list[float]]) -> list[float]:
     return [max(step) for step in zip(*active_by_rank)]
 
 
-def _instrument_stage(stage: Any, stats: PipelineStats, meter: SavedActivationMeter, comm_stats: CommStats | None) -> None:
+def _instrument_stage(stage: Any, stats: PipelineStats, meter: SavedActivationMeter) -> None:
     """Wrap this stage object's compute and send methods (instance attributes: nothing global changes)."""
     index = stage.stage_index
     clock = time.perf_counter
@@ -295,24 +299,19 @@ def _instrument_stage(stage: Any, stats: PipelineStats, meter: SavedActivationMe
     stage.forward_one_chunk = forward_one_chunk
     stage.backward_one_chunk = backward_one_chunk
     stage.backward_weight_one_chunk = backward_weight_one_chunk
-    for name in ("get_fwd_send_ops", "get_bwd_send_ops", "get_fwd_recv_ops", "get_bwd_recv_ops"):
-        setattr(stage, name, _labelled_ops(getattr(stage, name), f"{name[4:]}[s{index}]", comm_stats, stats))
+    if stats.trace:  # names for the timeline's waits
+        for name in ("get_fwd_send_ops", "get_bwd_send_ops", "get_fwd_recv_ops", "get_bwd_recv_ops"):
+            setattr(stage, name, _labelled_ops(getattr(stage, name), f"{name[4:]}[s{index}]"))
 
 
 _OP_LABELS: dict[int, str] = {}
 
 
-def _labelled_ops(get_ops: Callable[[int], list], label: str, comm_stats: CommStats | None, stats: PipelineStats) -> Callable:
-    # A receive writes too: on gloo the receiver announces it is ready (a 48-byte message).
-    op_name = "send" if "send" in label else "recv"
-
+def _labelled_ops(get_ops: Callable[[int], list], label: str) -> Callable:
     def wrapper(mb: int) -> list:
         ops = get_ops(mb)
         for op in ops:
-            if comm_stats is not None:
-                comm_stats.record(PP_P2P, op.tensor, op_name, op.group)
-            if stats.trace:
-                _OP_LABELS[id(op)] = f"{label.replace('_ops', '')} mb{mb}"
+            _OP_LABELS[id(op)] = f"{label.replace('_ops', '')} mb{mb}"
         return ops
 
     return wrapper
@@ -345,6 +344,10 @@ def _traced_waits(stats: PipelineStats) -> Iterator[None]:
         _OP_LABELS.clear()
 
 
+def _is_activation(tensor: Any) -> bool:
+    return tensor is not None and (tensor.is_floating_point() or tensor.is_complex())
+
+
 # ---------------------------------------------------------------------------------------- the pipeline
 @dataclass
 class PipelineParallel:
@@ -365,6 +368,13 @@ class PipelineParallel:
     schedule_name: str
     stats: PipelineStats
     meter: SavedActivationMeter
+    comm_stats: CommStats | None = None
+
+    def _counted(self) -> Any:
+        # A receive writes too: on gloo the receiver announces it is ready (a 48-byte message). The stages'
+        # tensor metadata (torch's shape inference: pickled objects, byte and integer tensors, at the first
+        # step and again after each validation pass) is not a step's traffic: claimed, not counted.
+        return counting(self.comm_stats, PP_P2P, ops=("send", "recv"), count_if=_is_activation)
 
     @property
     def holds_last_stage(self) -> bool:
@@ -379,7 +389,7 @@ class PipelineParallel:
         losses: list[torch.Tensor] = []
         self.stats.begin_step()
         try:
-            with _traced_waits(self.stats) if self.stats.trace else contextlib.nullcontext():
+            with _traced_waits(self.stats) if self.stats.trace else contextlib.nullcontext(), self._counted():
                 self.schedule.step(*self._args(inputs), target=targets if self.holds_last_stage else None, losses=losses, return_outputs=False)
         finally:
             self.stats.end_step()
@@ -389,7 +399,8 @@ class PipelineParallel:
     def eval_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
         """Forward only (the schedule's eval path); the mean loss on the last stage, else None."""
         losses: list[torch.Tensor] = []
-        self.schedule.eval(*self._args(inputs), target=targets if self.holds_last_stage else None, losses=losses)
+        with self._counted():
+            self.schedule.eval(*self._args(inputs), target=targets if self.holds_last_stage else None, losses=losses)
         return torch.stack(losses).mean() if self.holds_last_stage else None
 
     def _args(self, inputs: torch.Tensor) -> tuple:
@@ -433,10 +444,10 @@ def apply_pp(
     params = [p for m in stage_modules for p in m.parameters()]
     stats, meter = PipelineStats(trace=trace), SavedActivationMeter(params)
     for stage in stages:
-        _instrument_stage(stage, stats, meter, comm_stats)
+        _instrument_stage(stage, stats, meter)
     schedule_cls = getattr(pipelining, spec.class_name)
     built = schedule_cls(stages if spec.multi_stage else stages[0], microbatches, loss_fn=loss_fn, scale_grads=scale_grads)
-    return PipelineParallel(built, stages, list(stage_ids), num_stages, microbatches, schedule, stats, meter)
+    return PipelineParallel(built, stages, list(stage_ids), num_stages, microbatches, schedule, stats, meter, comm_stats)
 
 
 def theoretical_bubble(pp: int, microbatches: int, virtual_stages: int = 1) -> float:

@@ -7,8 +7,8 @@ vocabulary-parallel (so the loss must run under ``loss_parallel``). :func:`apply
 gradient clipping refuse a mix of DTensors and plain tensors), and returns a :class:`TensorParallel` handle that
 
 - counts every collective DTensor issues implicitly (forward, loss and backward) into a
-  :class:`~parallelkit.distributed.comm_stats.CommStats`: a dispatch mode sees the functional collectives
-  DTensor lowers to, so the numbers are what ran, not what the plan promises;
+  :class:`~parallelkit.distributed.comm_stats.CommStats`: its context claims them at the collective boundary
+  (:mod:`~parallelkit.distributed.comm_counting`), so the numbers are what ran, not what the plan promises;
 - attributes them to a *scope* (e.g. ``tp_block`` for transformer blocks), in forward and in backward,
   so per-layer traffic can be compared with Megatron-LM's ``8·b·s·h·(t−1)/t`` elements per layer;
 - after the last backward of a step, brings gradients to their parameter's layout (:meth:`TensorParallel.sync`):
@@ -31,9 +31,9 @@ from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from parallelkit.distributed.comm_counting import counting
 from parallelkit.distributed.comm_stats import CommStats
 
 #: kind prefix of collectives issued outside any scope of the plan (embedding, output layer, loss).
@@ -57,57 +57,6 @@ class TensorParallelPlan:
     layout: dict[str, Any]
     scopes: dict[str, str] = field(default_factory=dict)
     loss_parallel: bool = False
-
-
-# ------------------------------------------------------------------------------------- counting
-def _group(group_name: Any) -> Any:
-    from torch.distributed.distributed_c10d import _resolve_process_group
-
-    return _resolve_process_group(group_name)
-
-
-def _nbytes(tensor: torch.Tensor) -> int:
-    return tensor.numel() * tensor.element_size()
-
-
-def _describe(op: str, args: tuple) -> tuple[str, list[torch.Tensor], Any, list[int] | None]:
-    """``(collective, tensors handed to it, process group, bytes to each peer)`` of a functional collective."""
-    tensors = list(args[0]) if isinstance(args[0], (list, tuple)) else [args[0]]
-    if op.startswith("all_reduce"):  # (input(s), reduce_op, group_name)
-        return "all_reduce", tensors, _group(args[2]), None
-    if op.startswith("all_gather_into_tensor"):  # (this rank's shard(s), group_size, group_name)
-        return "all_gather", tensors, _group(args[2]), None
-    if op.startswith("reduce_scatter_tensor"):  # (full input(s), reduce_op, group_size, group_name)
-        return "reduce_scatter", tensors, _group(args[3]), None
-    if op == "all_to_all_single":  # (input, output_splits, input_splits, group_name)
-        group, (x,) = _group(args[3]), tensors
-        splits = args[2] if args[2] is not None else [x.shape[0] // dist.get_world_size(group)] * dist.get_world_size(group)
-        row = _nbytes(x) // max(x.shape[0], 1)
-        return "all_to_all", tensors, group, [int(n) * row for n in splits]
-    raise NotImplementedError(f"tensor parallel traffic counting does not know the collective {op!r}")
-
-
-class _CollectiveCounter(TorchDispatchMode):
-    """Sees the collectives DTensor lowers to and reports each as ``(collective, tensors, group, bytes per peer)``."""
-
-    def __init__(self, record: Callable[[str, list[torch.Tensor], Any, list[int] | None], None]) -> None:
-        super().__init__()
-        self.record = record
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        from torch.distributed.tensor import DTensor
-
-        # Modes run before tensor subclasses: let DTensor desugar into local ops and collectives first
-        # (they come back through this mode), as torch's CommDebugMode does.
-        if any(issubclass(t, DTensor) for t in types):
-            return NotImplemented
-        out = func(*args, **(kwargs or {}))
-        namespace = getattr(func, "namespace", None)
-        if namespace == "_c10d_functional" and not func._opname.startswith("_") and func._opname != "wait_tensor":
-            self.record(*_describe(func._opname, args))
-        # Classic c10d calls (dist.all_reduce, ...) are parallelkit's own explicit collectives (e.g. the
-        # data-parallel gradient average): their callers record them; DTensor issues functional ones.
-        return out
 
 
 class _ScopeTracker:
@@ -170,15 +119,8 @@ class TensorParallel:
         self.scopes = _ScopeTracker()
         self._active = False
 
-    def _record(self, op: str, tensors: list[torch.Tensor], group: Any, peer_bytes: list[int] | None) -> None:
-        if self.comm_stats is None:
-            return
-        kind = f"{self.scopes.current() or TP_KIND}.{op}"
-        if op == "reduce_scatter" or len(tensors) == 1:  # gloo reduce-scatters a coalesced list tensor by tensor
-            for tensor in tensors:
-                self.comm_stats.record(kind, tensor, op, group, peer_bytes=peer_bytes)
-        else:  # and all-reduces / all-gathers it flattened, as one
-            self.comm_stats.record(kind, sum(_nbytes(t) for t in tensors), op, group, element_size=tensors[0].element_size())
+    def _kind(self, op: str) -> str:
+        return f"{self.scopes.current() or TP_KIND}.{op}"
 
     @contextlib.contextmanager
     def context(self, count: bool = True) -> Iterator[None]:
@@ -198,7 +140,7 @@ class TensorParallel:
                 if self.plan.loss_parallel:
                     stack.enter_context(loss_parallel())
                 if count:
-                    stack.enter_context(_CollectiveCounter(self._record))
+                    stack.enter_context(counting(self.comm_stats, self._kind))
                 yield
         finally:
             self._active = False
@@ -233,10 +175,8 @@ class TensorParallel:
             return
         locals_ = [p.grad.to_local() for p in partial]
         flat = torch.cat([g.reshape(-1) for g in locals_])
-        group = self.mesh.get_group()
-        if self.comm_stats is not None:
-            self.comm_stats.record(TP_GRAD_KIND, flat, "all_reduce", group)
-        dist.all_reduce(flat, group=group)
+        with counting(self.comm_stats, TP_GRAD_KIND):
+            dist.all_reduce(flat, group=self.mesh.get_group())
         offset = 0
         for param, local in zip(partial, locals_):
             summed = flat[offset : offset + local.numel()].view_as(local)
@@ -251,7 +191,12 @@ def _replicate_rest(model: torch.nn.Module, mesh: Any) -> None:
     tensors), and those modules exchange DTensors with their neighbours only at their own boundary:
     plain inputs are taken as replicated, replicated outputs are handed on as plain tensors.
     """
-    from torch.distributed.tensor import DTensor, Replicate, distribute_module, distribute_tensor
+    from torch.distributed.tensor import (
+        DTensor,
+        Replicate,
+        distribute_module,
+        distribute_tensor,
+    )
 
     def replicate_own(target: torch.nn.Module) -> Callable[..., None]:
         def partition(name: str, module: torch.nn.Module, device_mesh: Any) -> None:

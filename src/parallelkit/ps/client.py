@@ -11,7 +11,9 @@ What the worker *sends* (ids out, ids and gradient rows out: U · (16 + 4·D)) i
 in :class:`~parallelkit.distributed.comm_stats.CommStats`; the rows it receives are the servers' sends, kept
 apart in ``bytes_received``. Tensor payloads only: TensorPipe's framing (the pickled call and its descriptor,
 about 0.5 KiB per request, measured over TCP) is not counted. Pulls outside training (validation) count as
-``ps_eval``.
+``ps_eval``. RPC traffic is no ``c10d`` collective, so the counting layer at the collective boundary
+(:mod:`parallelkit.distributed.comm_counting`) does not see it: the client records it itself
+(:meth:`CommStats.record`), the one place in parallelkit that does.
 """
 
 from __future__ import annotations

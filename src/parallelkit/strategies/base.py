@@ -15,6 +15,7 @@ import torch
 from typing_extensions import override
 
 from parallelkit.capabilities import DDP_COMM_HOOK, LIGHTNING_BACKWARD, REPLICATED_PARAMS, SERVER_TABLES, SPARSE_GRADIENTS, require_capabilities
+from parallelkit.distributed.comm_counting import counting
 from parallelkit.process_stats import model_state_bytes, os_bytes_written  # noqa: F401 - model_state_bytes: strategies import it from here
 from parallelkit.distributed.comm_stats import REPORT, TRAIN, VALIDATION, CommStats
 from parallelkit.distributed.parallel_dims import ParallelDims
@@ -132,9 +133,8 @@ class ParallelKitStrategyMixin(StrategyProtocol):
         """Lightning's reduce (``self.log(..., sync_dist=True)``, the metrics above), counted: a barrier, then an all-reduce."""
         if isinstance(tensor, torch.Tensor) and self.world_size > 1:
             group = group if group is not None else self.report_group
-            self.comm_stats.record(METRICS, 0, "barrier", group)
-            self.comm_stats.record(METRICS, tensor, "all_reduce", group)
-        return super().reduce(tensor, group, reduce_op)
+        with counting(self.comm_stats, METRICS):
+            return super().reduce(tensor, group, reduce_op)
 
     @property
     def report_group(self) -> Any:
@@ -177,8 +177,7 @@ class ParallelKitStrategyMixin(StrategyProtocol):
         rows = [local]
         if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
             rows = [torch.zeros_like(local) for _ in range(dist.get_world_size(group))]
-            with stats.counting_as(REPORT):
-                stats.record(METRICS, local, "all_gather", group)
+            with stats.counting_as(REPORT), counting(stats, METRICS):
                 dist.all_gather(rows, local, group=group)
         validation = stats.totals(VALIDATION)
         return {

@@ -30,12 +30,14 @@ from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
 from parallelkit.capabilities import REPLICATED_PARAMS
+from parallelkit.distributed.comm_counting import uncounted
 from parallelkit.distributed.deepspeed_config import (
     auto_bucket_elements,
     build_deepspeed_config,
     validate_deepspeed_options,
     validate_trainer_settings,
 )
+from parallelkit.distributed.deepspeed_engine import counting_deepspeed
 from parallelkit.distributed.elastic import DEFAULT_TIMEOUT_S, init_process_group_for_attempt, process_group_timeout
 from parallelkit.distributed.parallel_dims import ParallelDims
 from parallelkit.errors import ConfigError
@@ -137,7 +139,7 @@ class DeepSpeedStrategy(ParallelKitStrategyMixin, LightningDDPStrategy):
         )
         from parallelkit.distributed.deepspeed_engine import apply_deepspeed
 
-        self.engine = apply_deepspeed(self.lightning_module, self.optimizers[0], config, comm_stats=self.comm_stats)
+        self.engine = apply_deepspeed(self.lightning_module, self.optimizers[0], config)
         self.model = self.engine  # training_step runs through engine.forward (stage 3 gathers there)
         # Lightning's scheduler steps the param_groups the engine's optimizer reads its lr from.
         self.optimizers = [self.engine.optimizer]
@@ -145,11 +147,23 @@ class DeepSpeedStrategy(ParallelKitStrategyMixin, LightningDDPStrategy):
         base.register_step_pre_hook(lambda *_: self._measure_state())  # grads are flattened for the step here
         self.setup_precision_plugin()
 
+    # The engine's collectives count as deepspeed_<collective> (stage 3 gathers in forward, validation's too).
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        with counting_deepspeed(self.comm_stats):
+            return super().training_step(*args, **kwargs)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        with counting_deepspeed(self.comm_stats):
+            return super().validation_step(*args, **kwargs)
+
     @override
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
         # Lightning has already divided the loss by accumulate_grad_batches: the engine must not again.
         closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
-        self.engine.backward(closure_loss, scale_wrt_gas=False)
+        with counting_deepspeed(self.comm_stats):
+            self.engine.backward(closure_loss, scale_wrt_gas=False)
         return self.precision_plugin.post_backward(closure_loss, self.lightning_module)
 
     @override
@@ -159,7 +173,8 @@ class DeepSpeedStrategy(ParallelKitStrategyMixin, LightningDDPStrategy):
         call._call_callback_hooks(trainer, "on_before_optimizer_step", optimizer)
         call._call_lightning_module_hook(trainer, "on_before_optimizer_step", optimizer)
         self._measure_state()
-        self.engine.step()  # reduce (stage 0-1), clip, step, gather (stage 1-2), zero the gradients
+        with counting_deepspeed(self.comm_stats):
+            self.engine.step()  # reduce (stage 0-1), clip, step, gather (stage 1-2), zero the gradients
         self._measure_state()
         self._steps += 1
         return result
@@ -220,11 +235,9 @@ class DeepSpeedStrategy(ParallelKitStrategyMixin, LightningDDPStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
         if storage_options is not None:
             raise ConfigError("strategy=deepspeed writes DeepSpeed checkpoint directories; storage_options are not supported.")
-        from parallelkit.distributed.deepspeed_engine import deepspeed_comm_paused
-
         client_state = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
         def write(tmp: Path) -> None:
-            with deepspeed_comm_paused():
+            with uncounted():
                 self.engine.save_checkpoint(str(tmp), tag=CHECKPOINT_TAG, client_state=client_state, save_latest=False)
 
         self.save_directory_atomically(filepath, write)  # a full disk leaves the previous checkpoint whole
@@ -246,11 +259,9 @@ class DeepSpeedStrategy(ParallelKitStrategyMixin, LightningDDPStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        from parallelkit.distributed.deepspeed_engine import deepspeed_comm_paused
-
         self.check_checkpoint(checkpoint_path)
         path = Path(checkpoint_path)
-        with deepspeed_comm_paused():
+        with uncounted():
             loaded, client_state = self.engine.load_checkpoint(
                 str(path), tag=CHECKPOINT_TAG, load_optimizer_states=True, load_lr_scheduler_states=False
             )

@@ -28,6 +28,7 @@ from torch.distributed.tensor import DTensor
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
+from parallelkit.distributed.comm_counting import counting
 from parallelkit.distributed.comm_stats import REPORT
 from parallelkit.distributed.elastic import DEFAULT_TIMEOUT_S
 from parallelkit.distributed.grad_sync import GradAllReduce, apply_grad_allreduce
@@ -238,8 +239,8 @@ class PipelineStrategy(MeshStrategy):
         sq = squared_norm(grads, self.root_device)
         if self.pp > 1:
             group = self.device_mesh.get_group(PP)
-            self.comm_stats.record(PP_GRAD_NORM, sq, "all_reduce", group)
-            dist.all_reduce(sq, group=group)
+            with counting(self.comm_stats, PP_GRAD_NORM):
+                dist.all_reduce(sq, group=group)
         coef = torch.clamp(float(max_norm) / (sq.sqrt() + 1e-6), max=1.0)
         for g in grads:
             g.mul_(coef.item() if isinstance(g, DTensor) else coef.to(g.dtype))
@@ -251,8 +252,8 @@ class PipelineStrategy(MeshStrategy):
         if self.pp > 1:
             source = (self.pipeline.num_stages - 1) % self.pp  # the pipeline rank holding the last stage
             group = self.device_mesh.get_group(PP)
-            self.comm_stats.record(PP_LOSS, value, "broadcast", group, root=dist.get_global_rank(group, source))
-            dist.broadcast(value, group_src=source, group=group)
+            with counting(self.comm_stats, PP_LOSS):
+                dist.broadcast(value, group_src=source, group=group)
         return value
 
     @override
@@ -286,7 +287,7 @@ class PipelineStrategy(MeshStrategy):
         metrics = super().summary_metrics(trainer)
         if self.pipeline is None:
             return metrics
-        with self.comm_stats.counting_as(REPORT):  # end-of-run gathers: not a training step's traffic
+        with self.comm_stats.counting_as(REPORT), counting(self.comm_stats, "metrics"):  # end-of-run gathers: not a training step's traffic
             metrics.update(self._pipeline_metrics(trainer))
         return metrics
 
@@ -297,7 +298,6 @@ class PipelineStrategy(MeshStrategy):
         # time of its ranks, per step (the first stage's: it starts first and finishes last).
         active = torch.tensor(stats.step_active, dtype=torch.float64)
         pp_active = [torch.zeros_like(active) for _ in range(self.pp)]
-        self.comm_stats.record("metrics", active, "all_gather", self.device_mesh.get_group(PP))
         dist.all_gather(pp_active, active, group=self.device_mesh.get_group(PP))
         bubble = stats.bubble_fraction(pipeline_spans([a.tolist() for a in pp_active]))
         local = torch.tensor([-1.0 if bubble is None else bubble, float(self.pipeline.meter.peak)], dtype=torch.float64)
@@ -305,9 +305,7 @@ class PipelineStrategy(MeshStrategy):
         for stage, peak in stats.peak_inflight.items():
             inflight[stage] = peak
         gathered = [torch.zeros_like(local) for _ in range(world)]
-        self.comm_stats.record("metrics", local, "all_gather", None)
         dist.all_gather(gathered, local)
-        self.comm_stats.record("metrics", inflight, "all_reduce", None)
         dist.all_reduce(inflight, op=dist.ReduceOp.MAX)
         by_rank = [round(float(g[0]), 4) for g in gathered]
         if self.trace:

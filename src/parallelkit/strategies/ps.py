@@ -34,6 +34,7 @@ from typing_extensions import override
 
 from parallelkit.capabilities import LIGHTNING_BACKWARD, SERVER_TABLES
 from parallelkit.distributed.collectives import gather_stacked
+from parallelkit.distributed.comm_counting import counting
 from parallelkit.distributed.elastic import DEFAULT_TIMEOUT_S, init_process_group_for_attempt
 from parallelkit.errors import ConfigError
 from parallelkit.models.plans import model_plans, parallel_model
@@ -286,8 +287,8 @@ class ParameterServerStrategy(DDPStrategy):
         if workers == 1 or not params:
             return
         flat = torch.cat([p.grad.reshape(-1) for p in params])  # one fused collective per step
-        self.comm_stats.record(GRAD_ALLREDUCE, flat, "all_reduce", self._worker_group)
-        dist.all_reduce(flat, group=self._worker_group)
+        with counting(self.comm_stats, GRAD_ALLREDUCE):
+            dist.all_reduce(flat, group=self._worker_group)
         flat /= workers
         offset = 0
         for p in params:
@@ -317,10 +318,8 @@ class ParameterServerStrategy(DDPStrategy):
             return super().reduce(tensor, group, reduce_op)
         if self.is_server:
             return tensor
-        if self.parallel_dims.workers > 1:  # counted as the base class counts it: a barrier, then an all-reduce
-            self.comm_stats.record(METRICS, 0, "barrier", group or self._worker_group)
-            self.comm_stats.record(METRICS, tensor, "all_reduce", group or self._worker_group)
-        return _sync_ddp_if_available(tensor, group or self._worker_group, reduce_op=reduce_op)
+        with counting(self.comm_stats, METRICS):  # as the base class counts it: a barrier, then an all-reduce
+            return _sync_ddp_if_available(tensor, group or self._worker_group, reduce_op=reduce_op)
 
     @override
     def all_gather(self, tensor: torch.Tensor, group: Any = None, sync_grads: bool = False) -> torch.Tensor:
