@@ -158,6 +158,10 @@ class _ForkedRank:
             from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 
             rank_zero_only.rank = utils_rank_zero_only.rank = int(env["RANK"])  # read from the environment at import
+            if env.get("OMP_NUM_THREADS"):  # a fresh process's torch reads it at import; this one imported torch before
+                import torch
+
+                torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
             sys.argv = list(command[1:])
             import runpy
 
