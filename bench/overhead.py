@@ -31,6 +31,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import signal
 import statistics
 import subprocess
@@ -191,9 +192,11 @@ def children_cpu_s() -> float:
 
 def run_contender(name: str, cmd: list[str], run_dir: Path, args: argparse.Namespace) -> dict:
     out = run_dir / name
-    out.mkdir(parents=True, exist_ok=True)
+    # Every round starts in an empty directory (this benchmark's own scratch): parallelkit keeps a finished run's
+    # directory as it is and would not train there again (parallelkit.run_dir).
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
     summary_path = out / "summary.json"
-    summary_path.unlink(missing_ok=True)
     cpu_before = children_cpu_s()
     wall, code, launched = run_job(cmd, out / "job.log", args.tty, args.timeout)
     record = {"contender": name, "wall_s": wall, "exit_code": code, "launched": launched}

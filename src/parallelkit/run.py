@@ -335,6 +335,7 @@ def _run(cfg: DictConfig) -> dict[str, Any] | None:
     # Everything that can fail on bad input has run: rank 0 joins the process group inside fit, and only then
     # do the other ranks (waiting in the rendezvous) go on.
     startup_gc.resume()
+    local_ranks.share_cores()
     if launching_rank_zero():
         dir_plan.apply()  # moves what a resumed run recomputes into side files: the last step before the rendezvous
     trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)

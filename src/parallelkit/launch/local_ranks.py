@@ -151,10 +151,7 @@ def _start(count: int, command: list[str], num_nodes: int = 1) -> None:
     node_rank = int(os.environ.get("NODE_RANK", "0")) if num_nodes > 1 else 0
     port = os.environ.get("MASTER_PORT") or str(_free_port())
     launch = {"MASTER_ADDR": os.environ.get("MASTER_ADDR", "127.0.0.1"), "MASTER_PORT": port, "NODE_RANK": str(node_rank),
-              "WORLD_SIZE": str(count * num_nodes), "LOCAL_WORLD_SIZE": str(count),
-              # The node's cores shared out, as Lightning's launchers do (torchrun: 1), for every strategy alike: each
-              # rank's torch would otherwise use every core, and N ranks would fight over them.
-              "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // count))}
+              "WORLD_SIZE": str(count * num_nodes), "LOCAL_WORLD_SIZE": str(count)}
     for local_rank in range(1, count):
         read, write = os.pipe()
         rank = node_rank * count + local_rank
@@ -166,14 +163,27 @@ def _start(count: int, command: list[str], num_nodes: int = 1) -> None:
         os.set_inheritable(write, False)
         _job.pipes.append(write)
     os.environ.update(launch, RANK=str(node_rank * count), LOCAL_RANK="0")
-    if "torch" in sys.modules:  # started once the job's count was known: torch read OMP_NUM_THREADS already
-        torch = sys.modules["torch"]
-        _job.threads_before = torch.get_num_threads()  # given back by finish(): a sweep's next job may run alone
-        torch.set_num_threads(int(launch["OMP_NUM_THREADS"]))
+
     _job.observing = threading.Event()
     _job.observing.set()
     # Ends the whole job if a rank dies (like Lightning's own observer), naming the rank first.
     threading.Thread(target=_observe, args=(list(_job.children), _job.observing), daemon=True, name="parallelkit-rank-observer").start()
+
+
+def share_cores() -> None:
+    """Just before training, in every rank of a job whose ranks this module started: the node's cores shared out
+    among its ranks, unless ``OMP_NUM_THREADS`` says otherwise — what Lightning's launchers do at the same point
+    (``_set_num_threads_if_needed``), for every strategy alike (Lightning's ``ModelParallelStrategy``, the base of
+    zero/tp/pp, starts no launcher when the processes exist already; each rank's torch would use every core).
+    Not earlier: imports and the build run with every core, as a single process's would."""
+    if "OMP_NUM_THREADS" in os.environ or not (is_started_rank() or _job.children):
+        return
+    import torch
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if not is_started_rank() and _job.threads_before is None:
+        _job.threads_before = torch.get_num_threads()  # given back by finish(): a sweep's next job may run alone
+    torch.set_num_threads(max(1, cores // int(os.environ["LOCAL_WORLD_SIZE"])))
 
 
 def _entry_command() -> list[str]:

@@ -50,7 +50,7 @@ def generate(model: torch.nn.Module, prompt_ids: list[int], new_tokens: int, blo
 
 def predict(cfg: DictConfig, trainer: Any, module: Any, datamodule: Any, out: Path) -> dict[str, Any] | None:
     """Score the validation set on every rank, generate on rank 0, write ``predict.json`` (rank 0)."""
-    from parallelkit.launch import startup_gc
+    from parallelkit.launch import local_ranks, startup_gc
 
     options = cfg.get("predict") or {}
     # Generation runs on rank 0 with an unsharded copy taken now: after validate the strategy may have split
@@ -60,6 +60,7 @@ def predict(cfg: DictConfig, trainer: Any, module: Any, datamodule: Any, out: Pa
     # written into one predictions.npy (parallelkit.data.raster) — reassembly without gathering the image.
     tiled = copy.deepcopy(parallel_model(module)) if hasattr(datamodule, "write_predictions") else None
     startup_gc.resume()
+    local_ranks.share_cores()
     results = trainer.validate(module, datamodule=datamodule, verbose=False)
     tiles = datamodule.write_predictions(tiled, trainer.strategy, out) if tiled is not None else None
     if not trainer.is_global_zero:
