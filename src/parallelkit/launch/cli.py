@@ -134,7 +134,6 @@ SELF_EXPLAINED = (EXIT_CONFIG_ERROR, EXIT_DIVERGED, EXIT_WRITE_FAILED)
 
 def peer_exit_codes(known: list[str]) -> list[int]:
     """The exit codes in :func:`parallelkit.launch.local_ranks.failed_peers`' lines (``rank 1 exited with code 5``)."""
-
     return [int(m.group(1)) for m in (re.search(r"exited with code (-?\d+)", line) for line in known) if m]
 
 
