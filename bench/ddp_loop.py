@@ -28,18 +28,23 @@ import time
 from workload_args import add_workload_arguments  # bench/ is sys.path[0] when run as a script
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_loop_arguments(p: argparse.ArgumentParser) -> None:
+    """What every hand-written loop here takes: output, workload, world size, and the train.py defaults it mirrors."""
     p.add_argument("--out", required=True, help="directory for summary.json")
     add_workload_arguments(p)
     p.add_argument("--world-size", type=int, default=2)
-    # conf/optim/adamw.yaml
+    # conf/optim/adamw.yaml, conf/data/chars.yaml
     p.add_argument("--lr", type=float, default=3.0e-3)
     p.add_argument("--betas", type=float, nargs=2, default=(0.9, 0.99))
     p.add_argument("--weight-decay", type=float, default=0.01)
     p.add_argument("--min-lr-ratio", type=float, default=0.1)
     p.add_argument("--vocab-multiple", type=int, default=64)
     p.add_argument("--val-fraction", type=float, default=0.1)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_loop_arguments(p)
     p.add_argument("--probe", action="store_true", help="write probe_rank{R}.json with start-up timestamps")
     p.add_argument("--comm-hook", choices=("builtin", "parallelkit"), default="builtin",
                    help="parallelkit: register parallelkit's counting allreduce_hook, as strategy=ddp does (ablation)")
@@ -61,8 +66,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch_children(world_size: int) -> list[subprocess.Popen]:
-    """Start ranks 1..N-1 right away (this process becomes rank 0), like torchrun would, minus torchrun."""
+def launch_children(world_size: int, script: str = __file__) -> list[subprocess.Popen]:
+    """Start ranks 1..N-1 of ``script`` right away (this process becomes rank 0), like torchrun would, minus torchrun."""
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(free_port()))
     os.environ["WORLD_SIZE"] = str(world_size)
@@ -70,7 +75,7 @@ def launch_children(world_size: int) -> list[subprocess.Popen]:
     procs = []
     for rank in range(1, world_size):
         env = dict(os.environ, RANK=str(rank))
-        procs.append(subprocess.Popen([sys.executable, os.path.abspath(__file__), *sys.argv[1:]], env=env))
+        procs.append(subprocess.Popen([sys.executable, os.path.abspath(script), *sys.argv[1:]], env=env))
     return procs
 
 

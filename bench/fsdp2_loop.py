@@ -23,45 +23,26 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 
 from ddp_loop import (  # bench/ is sys.path[0] when run as a script
-    free_port,
+    add_loop_arguments,
+    launch_children,
     lr_factor,
     python_docs_tokens,
 )
-from workload_args import add_workload_arguments
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", required=True, help="directory for summary.json")
-    add_workload_arguments(p)
-    p.add_argument("--world-size", type=int, default=2)
-    # conf/optim/adamw.yaml, conf/data/chars.yaml
-    p.add_argument("--lr", type=float, default=3.0e-3)
-    p.add_argument("--betas", type=float, nargs=2, default=(0.9, 0.99))
-    p.add_argument("--weight-decay", type=float, default=0.01)
-    p.add_argument("--min-lr-ratio", type=float, default=0.1)
-    p.add_argument("--vocab-multiple", type=int, default=64)
-    p.add_argument("--val-fraction", type=float, default=0.1)
+    add_loop_arguments(p)
     return p.parse_args(argv)
-
-
-def launch_children(world_size: int) -> list[subprocess.Popen]:
-    """``ddp_loop.launch_children`` for this script: ranks 1..N-1 start right away as copies of it."""
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(free_port()))
-    os.environ.update(WORLD_SIZE=str(world_size), RANK="0")
-    return [subprocess.Popen([sys.executable, os.path.abspath(__file__), *sys.argv[1:]], env=dict(os.environ, RANK=str(rank)))
-            for rank in range(1, world_size)]
 
 
 def main() -> None:
     args = parse_args()
-    children = launch_children(args.world_size) if "RANK" not in os.environ else []
+    children = launch_children(args.world_size, __file__) if "RANK" not in os.environ else []
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 
     import torch

@@ -190,6 +190,17 @@ def children_cpu_s() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
+def write_results(result: dict, out: Path, run_root: Path, keep: bool) -> None:
+    """Write the benchmark's JSON and remove its scratch run directories (unless ``--keep``)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+    print(f"wrote {out}")
+    if keep:
+        print(f"run directories kept in {run_root}")
+    else:
+        shutil.rmtree(run_root, ignore_errors=True)
+
+
 def run_contender(name: str, cmd: list[str], run_dir: Path, args: argparse.Namespace) -> dict:
     out = run_dir / name
     # Every round starts in an empty directory (this benchmark's own scratch): parallelkit keeps a finished run's
@@ -319,16 +330,7 @@ def main(argv: list[str] | None = None) -> None:
         "rounds": [{n: {k: v for k, v in rec.items() if k != "train_loss"} for n, rec in rr.items()} for rr in rounds],
         "markdown": table,
     }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1))
-    print(f"wrote {out}")
-    if args.keep:
-        print(f"run directories kept in {run_root}")
-    else:
-        import shutil
-
-        shutil.rmtree(run_root, ignore_errors=True)
+    write_results(result, Path(args.out), run_root, args.keep)
     if not ok:
         raise SystemExit(1)
 

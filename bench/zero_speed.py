@@ -280,16 +280,7 @@ def main(argv: list[str] | None = None) -> None:
     if bad:
         print(f"\nnon-zero exit codes (model, round, contender, code): {bad}")
     print(f"\ntotal {time.perf_counter() - started:.0f} s")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=1))
-    print(f"wrote {out}")
-    if args.keep:
-        print(f"run directories kept in {run_root}")
-    else:
-        import shutil
-
-        shutil.rmtree(run_root, ignore_errors=True)
+    overhead.write_results(results, Path(args.out), run_root, args.keep)
 
 
 if __name__ == "__main__":
