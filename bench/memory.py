@@ -7,8 +7,8 @@ For N = 2 and 4 ranks it runs ``train.py`` (``model=gpt``, the default size) wit
   gradient buckets included) beside the formula for fp32 Adam with Ψ parameters (DP 16Ψ, stage 1 8Ψ+8Ψ/N,
   stage 2 4Ψ+12Ψ/N, stage 3 16Ψ/N);
 * traffic: counted bytes sent per step and rank (at the algorithms gloo runs, its message headers included)
-  beside the theory (DP and stages 1-2: 2(N−1)/N·4Ψ,
-  stage 3: 1.5× that), and the bytes that really left each process (``summary.json`` ``os_bytes_written``:
+  beside the theory (DP and stages 1-2: 2(N−1)/N·4Ψ, stage 3: 1.5× that less one gather of the root unit,
+  which FSDP2 keeps gathered from forward into backward: :func:`theory_sent`), and the bytes that really left each process (``summary.json`` ``os_bytes_written``:
   the kernel's count of what the process handed to ``write``/``writev``, which gloo's TCP transport sends
   with), per step, from the difference of a long and a short run (which cancels start-up traffic and the
   files written). It is per process, so other jobs on the machine do not disturb it — unlike the loopback
@@ -48,8 +48,18 @@ def formula_bytes(stage: int, psi: int, n: int) -> float:
 
 
 def theory_sent(stage: int, psi: int, n: int) -> float:
+    """DP and stages 1-2: the ring all-reduce's 2(N−1)/N·4Ψ. Stage 3: every gradient reduce-scattered once, each
+    block gathered in forward and again in backward, the root unit (embeddings, final norm, head) once, as it
+    stays gathered from forward into backward (FSDP2's root default): the paper's 1.5× less one gather of the root."""
     ring = 2 * (n - 1) / n * 4 * psi
-    return 1.5 * ring if stage == 3 else ring
+    if stage != 3:
+        return ring
+    import yaml
+
+    gpt = yaml.safe_load((REPO / "conf" / "model" / "gpt.yaml").read_text())
+    d = gpt["n_embd"]
+    blocks = gpt["n_layer"] * (12 * d * d + 13 * d)  # attention 4(d² + d), MLP 8d² + 5d, two LayerNorms 4d (bias: true)
+    return (n - 1) / n * 4 * (psi + 2 * blocks + (psi - blocks))
 
 
 def loopback_bytes() -> int | None:

@@ -6,7 +6,9 @@ batch 32), with the same seed, AdamW and warm-up + cosine schedule, on 2 gloo ra
 - ``ddp``: ``python train.py strategy=ddp`` — the reference;
 - ``zero1`` / ``zero2`` / ``zero3``: ``python train.py strategy=zero strategy.stage=K`` with parallelkit's
   defaults (``conf/strategy/zero.yaml``: stage 3 shards each block then the root with FSDP2,
-  ``reshard_after_forward: true``, parallelkit's counted collectives; stages 1-2 ``bucket_cap_mb: 25``);
+  ``reshard_after_forward: true``, ``prefetch: true`` — the next block gathered while one computes, the
+  reduce-scatters overlapped with backward —, parallelkit's counted collectives; stages 1-2 ``bucket_cap_mb: 25``);
+  ``zero3np`` is stage 3 with ``strategy.prefetch=false``, what the overlap buys;
 - ``ds1`` / ``ds2`` / ``ds3``: ``python train.py strategy=deepspeed strategy.stage=K`` with DeepSpeed's own ZeRO
   defaults, as a user who writes ``{"zero_optimization": {"stage": K}}`` runs it
   (``bench/deepspeed_defaults.py``, whose docstring tabulates the differences). parallelkit's
@@ -23,10 +25,12 @@ Models (``--models``): ``default`` is ``conf/model/gpt.yaml`` (``n_layer=4 n_hea
 parameters); ``10x`` is ``n_layer=12 n_head=4 n_embd=240`` (8.41 M parameters, 10.1× — deeper and wider, so
 stage 3 has three times the sharding units and larger collectives).
 
-Every job gets the same intra-op threads per rank, ``OMP_NUM_THREADS`` = cores / ranks (``--threads``): Lightning's
-launcher sets that for ``strategy=ddp`` and ``strategy=deepspeed``, but ``strategy=zero``'s ranks start without
-it and would run one thread per core (2 per rank on a 2-core machine: twice the CPU share on a busy machine,
-oversubscription on a quiet one).
+Every job gets the same intra-op threads per rank, ``OMP_NUM_THREADS`` = cores / ranks (``--threads``), as
+parallelkit's ranks and Lightning's launcher set it anyway, so that the hand-written FSDP2 loop gets it too.
+
+The memory cost of prefetching: after the timed rounds, ``zero3`` and ``zero3np`` (those that ``--only`` names) run
+once more for 10 steps with ``bench/fsdp_gathered.py``, which measures the peak bytes of full (gathered)
+parameters a rank holds; the difference is one block's parameters.
 
 Rounds are interleaved: each round runs every contender once, in an order rotated per round. Per job the
 numbers come from its ``summary.json`` (``parallelkit.callbacks.run_summary``, which the loop mirrors):
@@ -40,7 +44,8 @@ numbers come from its ``summary.json`` (``parallelkit.callbacks.run_summary``, w
 - peak RSS: ``peak_rss_bytes``, the maximum over ranks of the process's peak resident memory;
 - loss: the largest per-step |loss − DDP's loss| over rounds (all contenders train the same thing).
 
-    python bench/zero_speed.py                        # 5 rounds × 50 steps, both models (long: see bench/README.md)
+    python bench/zero_speed.py                        # 5 rounds × 50 steps, both models (~55 min on 2 cores)
+    python bench/zero_speed.py --rounds 3             # the README's table (~35 min)
     python bench/zero_speed.py --models default       # the default GPT only
     python bench/zero_speed.py --quick                # 1 round × 6 steps, a smoke run (writes zero_speed_quick.json)
 
@@ -73,13 +78,14 @@ DS_DEFAULTS = "strategy._target_=bench.deepspeed_defaults.DeepSpeedDefaultsStrat
 CONTENDERS = {
     "ddp": ("DDP `strategy=ddp`", ["strategy=ddp"]),
     **{f"zero{k}": (f"parallelkit `strategy=zero` stage {k}", ["strategy=zero", f"strategy.stage={k}"]) for k in (1, 2, 3)},
+    "zero3np": ("parallelkit stage 3, `strategy.prefetch=false`", ["strategy=zero", "strategy.stage=3", "strategy.prefetch=false"]),
     **{f"ds{k}": (f"DeepSpeed defaults, stage {k}", ["strategy=deepspeed", f"strategy.stage={k}", DS_DEFAULTS]) for k in (1, 2, 3)},
     "fsdp2": ("FSDP2 defaults (hand-written loop)", None),
     **{f"pkds{k}": (f"`strategy=deepspeed` (parallelkit's tuning), stage {k}", ["strategy=deepspeed", f"strategy.stage={k}"]) for k in (1, 2, 3)},
 }
-DEFAULT_ONLY = ("ddp", "zero1", "zero2", "zero3", "ds1", "ds2", "ds3", "fsdp2")
+DEFAULT_ONLY = ("ddp", "zero1", "zero2", "zero3", "zero3np", "ds1", "ds2", "ds3", "fsdp2")
 # Targets (issue 23): ratio to DDP, and which contender parallelkit's stage must beat.
-TARGET_RATIO = {"zero1": 1.05, "zero2": 1.05, "zero3": 1.40}
+TARGET_RATIO = {"zero1": 1.05, "zero2": 1.05, "zero3": 1.40}  # zero3np: no target (what prefetching buys)
 RIVALS = {"zero1": ("ds1",), "zero2": ("ds2",), "zero3": ("ds3", "fsdp2")}
 
 
@@ -98,6 +104,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=900, help="seconds before a job is killed")
     p.add_argument("--out", default=None, help="default: bench/results/zero_speed.json (zero_speed_quick.json with --quick)")
     p.add_argument("--keep", action="store_true", help="keep the run directories (printed at the end)")
+    p.add_argument("--gathered-only", action="store_true",
+                   help="only measure the stage-3 gathered-parameter peaks again and merge them into --out's results")
     args = p.parse_args(argv)
     if args.quick:
         args.rounds, args.steps = 1, 6
@@ -209,6 +217,36 @@ def targets(rounds: list[dict], agg: dict, names: list[str]) -> list[dict]:
     return out
 
 
+def gathered_peaks(model: dict, names: list[str], args: argparse.Namespace, root: Path) -> dict:
+    """Peak bytes of gathered parameters per rank (rank 0), for the stage-3 contenders run (bench/fsdp_gathered.py)."""
+    peaks = {}
+    for name in ("zero3", "zero3np"):
+        if name not in names:
+            continue
+        out = root / f"gathered_{name}"
+        probe = out / "gathered.json"
+        cmd = [a if not a.startswith("trainer.max_steps=") else "trainer.max_steps=10" for a in command(name, model, args, out)]
+        cmd.append(f"+callbacks.gathered={{_target_:bench.fsdp_gathered.GatheredPeak,out:{probe}}}")
+        out.mkdir(parents=True, exist_ok=True)
+        _, code = run_job(cmd, out / "job.log", args.threads, args.timeout)
+        if code != 0 or not probe.exists():
+            raise SystemExit(f"gathered-parameter probe failed (exit code {code}); log: {out / 'job.log'}")
+        peaks[name] = json.loads(probe.read_text())
+    return peaks
+
+
+def gathered_line(peaks: dict) -> str:
+    if not peaks:
+        return ""
+    mib = lambda n: f"{n / 2**20:.2f} MiB"
+    units = next(iter(peaks.values()))["unit_full_bytes"]
+    root = next(v for k, v in units.items() if k.endswith("(root)"))
+    block = max(v for k, v in units.items() if not k.endswith("(root)"))
+    parts = [f"`{name}` {mib(p['peak_gathered_bytes'])}" for name, p in peaks.items()]
+    return (f"Full (gathered) parameters held at the peak, rank 0 (bench/fsdp_gathered.py): {', '.join(parts)}; "
+            f"one block is {mib(block)}, the root unit {mib(root)}.")
+
+
 def markdown(model_name: str, model: dict, num_params: int, agg: dict, checks: list[dict], names: list[str], args: argparse.Namespace) -> str:
     mib = lambda n: f"{n / 2**20:,.2f}"
     shape = " ".join(f"{k}={v}" for k, v in model.items())
@@ -234,9 +272,27 @@ def markdown(model_name: str, model: dict, num_params: int, agg: dict, checks: l
     return "\n".join(lines)
 
 
+def merge_gathered(args: argparse.Namespace, names: list[str]) -> None:
+    """``--gathered-only``: the gathered-parameter probes alone, merged into the saved results of a full run."""
+    path = Path(args.out)
+    results = json.loads(path.read_text())
+    run_root = Path(tempfile.mkdtemp(prefix="pk_zero_gathered_"))
+    for model_name in args.models:
+        saved = results["models"][model_name]
+        peaks = gathered_peaks(MODELS[model_name], names, args, run_root / model_name)
+        saved["gathered_peaks"] = peaks
+        table = saved["markdown"].split("\n\nFull (gathered)")[0]
+        saved["markdown"] = table + ("\n\n" + gathered_line(peaks) if peaks else "")
+        print(saved["markdown"] + "\n")
+    overhead.write_results(results, path, run_root, args.keep)
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     names = [c for c in CONTENDERS if c in args.only]
+    if args.gathered_only:
+        merge_gathered(args, names)
+        return
     overhead.become_subreaper()
     run_root = Path(tempfile.mkdtemp(prefix="pk_zero_speed_"))
     print(f"zero_speed: models {args.models}, {args.rounds} rounds × {names}, {args.steps} steps, {args.devices} ranks; "
@@ -264,12 +320,15 @@ def main(argv: list[str] | None = None) -> None:
         agg = aggregate(rounds, names)
         checks = targets(rounds, agg, names)
         num_params = rounds[0][REFERENCE]["num_params"]
+        peaks = gathered_peaks(model, names, args, run_root / model_name)
         table = markdown(model_name, model, num_params, agg, checks, names, args)
+        if peaks:
+            table += "\n\n" + gathered_line(peaks)
         tables.append(table)
         results["models"][model_name] = {
             "shape": model, "num_params": num_params,
             "commands": {name: " ".join(command(name, model, args, run_root / model_name / "r0" / name)[1:]) for name in names},
-            "aggregate": agg, "targets": checks,
+            "aggregate": agg, "targets": checks, "gathered_peaks": peaks,
             "rounds": [{n: {k: v for k, v in rec.items() if k != "train_loss"} for n, rec in rr.items()} for rr in rounds],
             "markdown": table,
         }

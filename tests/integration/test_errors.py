@@ -53,6 +53,8 @@ BAD_INPUT = [
     (["strategy=zero", "strategy.stage=0", "strategy.sharding_group=2"], 2, ["strategy.sharding_group=2 cannot take effect with strategy.stage=0"]),
     (["strategy=zero", "strategy.stage=2", "strategy.per_block=false"], 2, ["strategy.per_block=false cannot take effect with strategy.stage=2"]),
     (["strategy=zero", "strategy.stage=1", "strategy.reshard_after_forward=false"], 2, ["strategy.reshard_after_forward=false", "strategy.stage=1"]),
+    (["strategy=zero", "strategy.stage=2", "strategy.prefetch=false"], 2, ["strategy.prefetch=false cannot take effect with strategy.stage=2"]),
+    (["strategy=zero", "strategy.prefetch=sometimes"], 2, ["strategy.prefetch should be true or false", "'sometimes'"]),
     (["strategy=zero", "strategy.stage=3", "strategy.bucket_cap_mb=5"], 2, ["strategy.bucket_cap_mb=5 cannot take effect with strategy.stage=3"]),
     (["strategy=zero", "strategy.stage=1", "strategy.shard_min_params=1000"], 2, ["strategy.shard_min_params", "strategy.stage=1"]),
     (["callbacks=[amp]", "callbacks.amp.dtype=fp8"], 2, ["callbacks.amp.dtype must be one of", "'fp8'"]),

@@ -49,8 +49,9 @@ def test_1f1b_pp2_matches_single_and_is_traced(reference, tmp_path):
     assert Path(result["png"]).stat().st_size > 10_000
     chrome = json.loads(Path(result["chrome_trace"]).read_text())["traceEvents"]
     computes = [e for e in chrome if e.get("ph") == "X" and e["tid"] == 0]
-    # One traced step: every micro-batch forward and backward on every stage.
-    assert sorted(e["name"][0] for e in computes) == ["B"] * 8 + ["F"] * 8
+    # One traced step: every micro-batch forward and backward on every stage, and its loss on the last.
+    assert sorted(e["name"][0] for e in computes) == ["B"] * 8 + ["F"] * 8 + ["L"] * 4
+    assert sorted(e["name"] for e in computes if e["name"][0] == "L") == [f"L{mb} s1" for mb in range(4)]
     assert main([str(run), "--step", "0", "--out", str(tmp_path / "pic")]) == 0
     assert (tmp_path / "pic" / "pipeline_timeline.png").is_file()
 

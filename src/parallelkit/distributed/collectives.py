@@ -55,10 +55,39 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: Any, stats:
         with counting(stats, kind):
             reduce_scatter_single(output, input, group=group)
         return
+    start_reduce_scatter(output, input, group, stats, kind).wait()
+
+
+class StartedReduceScatter:
+    """A gloo reduce-scatter in flight (the all-to-all runs on gloo's own thread while this one computes);
+    :meth:`wait` sums the received chunks into ``output`` (and divides by the group size for an average)."""
+
+    def __init__(self, work: Any, received: torch.Tensor, input: torch.Tensor, output: torch.Tensor, n: int, average: bool) -> None:
+        self._work, self._received, self._input, self._output = work, received, input, output  # input: alive until sent
+        self._n, self._average = n, average
+
+    def wait(self) -> None:
+        if self._work is None:
+            return
+        self._work.wait()
+        torch.sum(self._received.view(self._n, -1), dim=0, out=self._output.view(-1))
+        if self._average:
+            self._output.div_(self._n)
+        self._work = self._received = self._input = None
+
+
+def start_reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: Any, stats: CommStats | None = None,
+                         kind: str = "grad_reduce_scatter", average: bool = False) -> StartedReduceScatter:
+    """:func:`reduce_scatter` on gloo, started and not waited for: ``output`` holds the result once ``wait()``
+    has returned."""
+    n = _group_size(group)
+    if input.numel() != n * output.numel():
+        raise ValueError(f"reduce_scatter: input has {input.numel()} elements, expected {n} × {output.numel()}")
+    input = input.contiguous()
     received = torch.empty_like(input)
     with counting(stats, kind):
-        dist.all_to_all_single(received, input.contiguous(), group=group)
-    torch.sum(received.view(n, -1), dim=0, out=output.view(-1))
+        work = dist.all_to_all_single(received, input, group=group, async_op=True)
+    return StartedReduceScatter(work, received, input, output, n, average)
 
 
 def all_gather(output: torch.Tensor, input: torch.Tensor, group: Any, stats: CommStats | None = None, kind: str = "param_all_gather") -> None:

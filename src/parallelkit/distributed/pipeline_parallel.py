@@ -9,7 +9,9 @@ saved for backward are metered, and every activation/gradient a rank sends or re
 :func:`~parallelkit.distributed.comm_counting.counting`; other collectives inside a stage, e.g. tensor
 parallel's, keep their own kinds).
 With ``trace=True`` the start/end of every compute and of every wait on a send/recv is recorded for the
-timeline picture (:mod:`parallelkit.tools.pipeline_timeline`).
+timeline picture (:mod:`parallelkit.tools.pipeline_timeline`); the measuring is
+:mod:`~parallelkit.distributed.pipeline_measure`'s. Each step's receives are posted ahead, so that hand-offs
+arrive while a stage computes (:mod:`~parallelkit.distributed.pipeline_recv_ahead`).
 
 The schedule runs forward and backward itself; the caller gets the mean micro-batch loss on the last
 stage (gradients are divided by the micro-batch count, so they are those of the whole batch's mean loss).
@@ -18,9 +20,8 @@ stage (gradients are divided by the micro-batch count, so they are those of the 
 from __future__ import annotations
 
 import contextlib
-import time
-from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -28,6 +29,15 @@ from torch import nn
 
 from parallelkit.distributed.comm_counting import counting
 from parallelkit.distributed.comm_stats import CommStats
+from parallelkit.distributed.pipeline_measure import (  # noqa: F401 (PipelineStats, pipeline_spans: part of this module's API)
+    PipelineStats,
+    SavedActivationMeter,
+    instrument_stage,
+    pipeline_spans,
+    time_the_loss,
+    traced_waits,
+)
+from parallelkit.distributed.pipeline_recv_ahead import RecvAhead
 from parallelkit.errors import ConfigError
 
 PP_P2P = "pp_p2p"
@@ -131,219 +141,6 @@ def stage_ids_for_rank(pp_rank: int, pp: int, virtual_stages: int, schedule: str
     return [pp_rank + v * pp for v in range(virtual_stages)]
 
 
-# ---------------------------------------------------------------------------------------- measurement
-def _memory_of(tensor: torch.Tensor) -> torch.Tensor:
-    """The tensor that owns the memory: a DTensor's (tensor parallel inside a stage) is its local shard, and a
-    functional collective's result not yet waited on (``AsyncCollectiveTensor``, storage-less) wraps it."""
-    from torch.distributed._functional_collectives import AsyncCollectiveTensor
-
-    memory = getattr(tensor, "_local_tensor", tensor)
-    return memory.elem if isinstance(memory, AsyncCollectiveTensor) else memory
-
-
-class SavedActivationMeter:
-    """Bytes of tensors autograd keeps for backward (activations), live and peak, parameters excluded.
-
-    A region of memory is counted once however many saved tensors view it (keyed by address and size:
-    a micro-batch is a view into the whole batch and counts its own bytes, not the batch's); it is
-    released when autograd drops the last reference (after that micro-batch's backward).
-    """
-
-    def __init__(self, params: list[torch.Tensor]) -> None:
-        self._param_storages = {_memory_of(p).untyped_storage().data_ptr() for p in params}
-        self._refs: dict[tuple[int, int], list[int]] = {}
-        self.live = 0
-        self.peak = 0
-
-    def pack(self, tensor: torch.Tensor) -> Any:
-        memory = _memory_of(tensor)  # what to key on; the saved object stays the tensor itself
-        if memory.untyped_storage().data_ptr() in self._param_storages or memory.data_ptr() == 0:
-            return tensor
-        key = (memory.data_ptr(), memory.numel() * memory.element_size())
-        entry = self._refs.get(key)
-        if entry is None:
-            entry = self._refs[key] = [0, key[1]]
-            self.live += entry[1]
-            self.peak = max(self.peak, self.live)
-        entry[0] += 1
-        return _Saved(tensor, key, self)
-
-    @staticmethod
-    def unpack(saved: Any) -> torch.Tensor:
-        return saved.tensor if isinstance(saved, _Saved) else saved
-
-    def release(self, key: tuple[int, int]) -> None:
-        entry = self._refs[key]
-        entry[0] -= 1
-        if entry[0] == 0:
-            self.live -= entry[1]
-            del self._refs[key]
-
-    def hooks(self) -> Any:
-        return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
-
-
-class _Saved:
-    __slots__ = ("tensor", "key", "meter")
-
-    def __init__(self, tensor: torch.Tensor, key: tuple[int, int], meter: SavedActivationMeter) -> None:
-        self.tensor, self.key, self.meter = tensor, key, meter
-
-    def __del__(self) -> None:
-        self.meter.release(self.key)
-
-
-@dataclass
-class PipelineStats:
-    """What a rank measured: compute spans, in-flight micro-batches, activation bytes, bubble.
-
-    Per step, ``step_active`` is the time from this rank's first compute to its last: on the rank that
-    runs the first stage this is the pipeline's whole fill-compute-drain makespan (it starts first and
-    finishes last). Time before a step's first compute (waiting for the other ranks to leave the
-    previous optimizer step) is not pipeline bubble and is not counted; ``step_walls`` keeps it.
-    """
-
-    trace: bool = False
-    step_walls: list[float] = field(default_factory=list)  # seconds inside each schedule step
-    step_active: list[float] = field(default_factory=list)  # seconds from the first compute to the last
-    step_busy: list[float] = field(default_factory=list)  # seconds of compute in each step
-    inflight: dict[int, int] = field(default_factory=dict)  # stage → micro-batches holding activations now
-    peak_inflight: dict[int, int] = field(default_factory=dict)
-    events: list[list[dict[str, Any]]] = field(default_factory=list)  # per traced step (trace=True)
-    _busy: float = 0.0
-    _first: float | None = None
-    _last: float = 0.0
-    _step_start: float = 0.0
-    _in_step: bool = False  # training steps only: evaluation forwards are not part of the schedule's timeline
-
-    def compute(self, kind: str, stage: int, mb: int, start: float, end: float) -> None:
-        if not self._in_step:
-            return
-        self._busy += end - start
-        self._first = start if self._first is None else self._first
-        self._last = end
-        if self.trace:
-            self.events[-1].append({"kind": kind, "stage": stage, "mb": mb, "start": start, "end": end})
-
-    def wait(self, label: str, start: float, end: float) -> None:
-        if self.trace and self._in_step:
-            self.events[-1].append({"kind": "wait", "label": label, "start": start, "end": end})
-
-    def begin_step(self) -> None:
-        self._busy, self._first, self._last = 0.0, None, 0.0
-        if self.trace:
-            self.events.append([])
-        self._in_step = True
-        self._step_start = time.perf_counter()
-
-    def end_step(self) -> None:
-        self._in_step = False
-        self.step_walls.append(time.perf_counter() - self._step_start)
-        self.step_active.append(0.0 if self._first is None else self._last - self._first)
-        self.step_busy.append(self._busy)
-
-    def add_inflight(self, stage: int, delta: int) -> None:
-        now = self.inflight.get(stage, 0) + delta
-        self.inflight[stage] = now
-        self.peak_inflight[stage] = max(self.peak_inflight.get(stage, 0), now)
-
-    def bubble_fraction(self, spans: list[float] | None = None, skip_first: int = 1) -> float | None:
-        """Share of the pipeline's step time this rank did not compute, over the steps after the first.
-
-        ``spans``: each step's pipeline time, the longest ``step_active`` of its ranks
-        (:func:`pipeline_spans`). A rank's own active time is not the pipeline's: the last stage starts
-        late and finishes early, so its own clock would hide most of its bubble.
-        """
-        spans = self.step_active if spans is None else spans
-        first = skip_first if len(spans) > skip_first else 0
-        wall = sum(spans[first:])
-        return None if wall <= 0 else 1.0 - sum(self.step_busy[first:]) / wall
-
-
-def pipeline_spans(active_by_rank: list[list[float]]) -> list[float]:
-    """Each step's pipeline time: the longest first-to-last-compute time of any pipeline rank."""
-    return [max(step) for step in zip(*active_by_rank)]
-
-
-def _instrument_stage(stage: Any, stats: PipelineStats, meter: SavedActivationMeter) -> None:
-    """Wrap this stage object's compute and send methods (instance attributes: nothing global changes)."""
-    index = stage.stage_index
-    clock = time.perf_counter
-    forward, backward, backward_weight = stage.forward_one_chunk, stage.backward_one_chunk, stage.backward_weight_one_chunk
-
-    def forward_one_chunk(mb: int, *args: Any, **kwargs: Any) -> Any:
-        start = clock()
-        with meter.hooks():
-            out = forward(mb, *args, **kwargs)
-        stats.compute("F", index, mb, start, clock())
-        if stage.has_backward:
-            stats.add_inflight(index, 1)
-        return out
-
-    def backward_one_chunk(mb: int, *args: Any, full_backward: bool = True, **kwargs: Any) -> Any:
-        start = clock()
-        out = backward(mb, *args, full_backward=full_backward, **kwargs)
-        stats.compute("B" if full_backward else "I", index, mb, start, clock())
-        if full_backward and stage.has_backward:
-            stats.add_inflight(index, -1)
-        return out
-
-    def backward_weight_one_chunk(mb: int, *args: Any, **kwargs: Any) -> Any:
-        start = clock()
-        out = backward_weight(mb, *args, **kwargs)
-        stats.compute("W", index, mb, start, clock())
-        if stage.has_backward:
-            stats.add_inflight(index, -1)  # the micro-batch's saved state is gone only after W
-        return out
-
-    stage.forward_one_chunk = forward_one_chunk
-    stage.backward_one_chunk = backward_one_chunk
-    stage.backward_weight_one_chunk = backward_weight_one_chunk
-    if stats.trace:  # names for the timeline's waits
-        for name in ("get_fwd_send_ops", "get_bwd_send_ops", "get_fwd_recv_ops", "get_bwd_recv_ops"):
-            setattr(stage, name, _labelled_ops(getattr(stage, name), f"{name[4:]}[s{index}]"))
-
-
-_OP_LABELS: dict[int, str] = {}
-
-
-def _labelled_ops(get_ops: Callable[[int], list], label: str) -> Callable:
-    def wrapper(mb: int) -> list:
-        ops = get_ops(mb)
-        for op in ops:
-            _OP_LABELS[id(op)] = f"{label.replace('_ops', '')} mb{mb}"
-        return ops
-
-    return wrapper
-
-
-@contextlib.contextmanager
-def _traced_waits(stats: PipelineStats) -> Iterator[None]:
-    """Time every wait on a send/recv while a traced step runs (the schedules call these module helpers)."""
-    from torch.distributed.pipelining import schedules
-
-    batch_p2p, wait_batch_p2p = schedules._batch_p2p, schedules._wait_batch_p2p
-    labels: dict[int, str] = {}
-
-    def traced_batch(ops: list, *args: Any, **kwargs: Any) -> list:
-        works = batch_p2p(ops, *args, **kwargs)
-        labels[id(works)] = " + ".join(_OP_LABELS.pop(id(op), "p2p") for op in ops)
-        return works
-
-    def traced_wait(works: list) -> None:
-        start = time.perf_counter()
-        wait_batch_p2p(works)
-        if works:
-            stats.wait(labels.pop(id(works), "p2p"), start, time.perf_counter())
-
-    schedules._batch_p2p, schedules._wait_batch_p2p = traced_batch, traced_wait
-    try:
-        yield
-    finally:
-        schedules._batch_p2p, schedules._wait_batch_p2p = batch_p2p, wait_batch_p2p
-        _OP_LABELS.clear()
-
-
 def _is_activation(tensor: Any) -> bool:
     return tensor is not None and (tensor.is_floating_point() or tensor.is_complex())
 
@@ -368,6 +165,7 @@ class PipelineParallel:
     schedule_name: str
     stats: PipelineStats
     meter: SavedActivationMeter
+    recv_ahead: RecvAhead | None
     comm_stats: CommStats | None = None
 
     def _counted(self) -> Any:
@@ -388,19 +186,27 @@ class PipelineParallel:
         """Forward and backward of every micro-batch; gradients accumulate into the stages' ``.grad``."""
         losses: list[torch.Tensor] = []
         self.stats.begin_step()
+        if self.recv_ahead is not None:
+            self.recv_ahead.begin_step()
         try:
-            with _traced_waits(self.stats) if self.stats.trace else contextlib.nullcontext(), self._counted():
+            with traced_waits(self.stats) if self.stats.trace else contextlib.nullcontext(), self._counted():
                 self.schedule.step(*self._args(inputs), target=targets if self.holds_last_stage else None, losses=losses, return_outputs=False)
         finally:
             self.stats.end_step()
+        if self.recv_ahead is not None:
+            self.recv_ahead.end_step()
         return torch.stack([loss.detach() for loss in losses]).mean() if self.holds_last_stage else None
 
     @torch.no_grad()
     def eval_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
         """Forward only (the schedule's eval path); the mean loss on the last stage, else None."""
         losses: list[torch.Tensor] = []
+        if self.recv_ahead is not None:
+            self.recv_ahead.begin_step()
         with self._counted():
             self.schedule.eval(*self._args(inputs), target=targets if self.holds_last_stage else None, losses=losses)
+        if self.recv_ahead is not None:
+            self.recv_ahead.end_step()
         return torch.stack(losses).mean() if self.holds_last_stage else None
 
     def _args(self, inputs: torch.Tensor) -> tuple:
@@ -420,6 +226,7 @@ def apply_pp(
     comm_stats: CommStats | None = None,
     trace: bool = False,
     scale_grads: bool = True,
+    recv_ahead: bool = True,
 ) -> PipelineParallel:
     """Wrap this rank's stage modules in ``PipelineStage`` objects and build the schedule.
 
@@ -434,6 +241,8 @@ def apply_pp(
         comm_stats: counts activations and gradients this rank sends (kind ``pp_p2p``).
         trace: keep the start/end of every compute and send/recv wait, per step.
         scale_grads: divide gradients by ``microbatches`` (mean loss); off only to test that it matters.
+        recv_ahead: post each step's receives ahead (:mod:`~parallelkit.distributed.pipeline_recv_ahead`); off
+            only to test that it matters.
     """
     from torch.distributed import pipelining
 
@@ -443,11 +252,15 @@ def apply_pp(
     stages = [pipelining.PipelineStage(m, s, num_stages, device, group=group) for m, s in zip(stage_modules, stage_ids)]
     params = [p for m in stage_modules for p in m.parameters()]
     stats, meter = PipelineStats(trace=trace), SavedActivationMeter(params)
+    ahead = RecvAhead(stages, microbatches, stats.wait) if recv_ahead else None  # tags the hand-offs, posts receives early
     for stage in stages:
-        _instrument_stage(stage, stats, meter)
+        instrument_stage(stage, stats, meter)
+        if ahead is not None:
+            ahead.wait_before_compute(stage)  # outermost: waiting for a hand-off is not compute
     schedule_cls = getattr(pipelining, spec.class_name)
     built = schedule_cls(stages if spec.multi_stage else stages[0], microbatches, loss_fn=loss_fn, scale_grads=scale_grads)
-    return PipelineParallel(built, stages, list(stage_ids), num_stages, microbatches, schedule, stats, meter, comm_stats)
+    time_the_loss(built, stats)
+    return PipelineParallel(built, stages, list(stage_ids), num_stages, microbatches, schedule, stats, meter, ahead, comm_stats)
 
 
 def theoretical_bubble(pp: int, microbatches: int, virtual_stages: int = 1) -> float:

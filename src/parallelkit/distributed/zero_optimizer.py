@@ -7,9 +7,9 @@ owned slices: its update rule is element-wise (SGD, Adam, AdamW, ...), so steppi
 stepping whole tensors. One step:
 
 1. backward — stage 1 accumulates full gradients into a flat gradient bucket (``param.grad`` are views of
-   it); stage 2 reduce-scatters each bucket as soon as its gradients are complete, adds the owned slice
-   to a persistent shard-sized buffer and frees the full gradients (so full gradients never exist for
-   the whole model at once);
+   it); stage 2 reduce-scatters each bucket as soon as its gradients are complete (on gloo while backward
+   goes on), adds the owned slice to a persistent shard-sized buffer and frees the full gradients (so full
+   gradients never exist for the whole model at once);
 2. reduce — stage 1 reduce-scatters the flat buckets; with grouped sharding (``replicate_group``) the
    owned slices are then all-reduced across the replicas; the sum is divided by the number of ranks;
 3. step — the optimizer updates the owned slices (on the host with ``offload=True``);
@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from parallelkit.distributed.collectives import all_gather, all_reduce, reduce_scatter
+from parallelkit.distributed.collectives import all_gather, all_reduce, reduce_scatter, start_reduce_scatter
 from parallelkit.distributed.comm_stats import CommStats
 
 
@@ -83,6 +83,8 @@ class ZeroOptimizer:
             step there (ZeRO-Offload); on a CPU-only machine host and device are the same memory, but the
             copies run.
         bucket_mb: bucket size in MiB (communication fusion).
+        overlap: stage 2 on gloo: each bucket's reduce-scatter runs while backward goes on; off only to show
+            what that changes (every reduce-scatter then holds backward until it is done).
 
     Example::
 
@@ -101,6 +103,7 @@ class ZeroOptimizer:
         offload: bool = False,
         bucket_mb: float = 25.0,
         comm_stats: CommStats | None = None,
+        overlap: bool = True,
     ) -> None:
         if stage not in (1, 2):
             raise ValueError(f"ZeroOptimizer handles stages 1 and 2, got {stage}")
@@ -114,6 +117,7 @@ class ZeroOptimizer:
         self.shard_group = shard_group
         self.replicate_group = replicate_group
         self.offload = offload
+        self.overlap = overlap
         self.comm_stats = comm_stats
         self.n = dist.get_world_size(shard_group)
         self.rank = dist.get_rank(shard_group)
@@ -129,8 +133,11 @@ class ZeroOptimizer:
                     optimizer.state[bucket.shard_param] = _shard_state(bucket, [initial_state[p] for p in bucket.params])
         self._all = [b for buckets in self.buckets for b in buckets]
         # Stage 2: buckets are reduced in a fixed order (last first, as backward completes them), the same on
-        # every rank. ``_next`` is the next bucket to reduce; -1 = no backward in progress.
+        # every rank. ``_next`` is the next bucket to reduce; -1 = no backward in progress. On gloo a bucket's
+        # reduce-scatter runs while backward goes on (on gloo's thread); it is finished — the received chunks
+        # summed — when the next bucket's starts or before the optimizer step: one in flight.
         self._next = -1
+        self._pending: tuple[_Bucket, Any, torch.Tensor] | None = None
         if stage == 2:
             for index, bucket in enumerate(self._all):
                 for param in bucket.params:
@@ -177,12 +184,26 @@ class ZeroOptimizer:
             if p.grad is not None:
                 full[o : o + p.numel()].copy_(p.grad.reshape(-1))
             p.grad = None  # the point of stage 2: full gradients do not outlive their bucket's reduction
+        bucket.ready = 0
         reduced = torch.empty_like(bucket.shard_grad)
+        self._finish_pending()
+        if self.overlap and self.n > 1 and dist.get_backend(self.shard_group) != "nccl":
+            self._pending = (bucket, start_reduce_scatter(reduced, full, self.shard_group, self.comm_stats), reduced)
+            return
         reduce_scatter(reduced, full, self.shard_group, self.comm_stats)
+        self._add_reduced(bucket, reduced)
+
+    def _finish_pending(self) -> None:
+        if self._pending is not None:
+            bucket, started, reduced = self._pending
+            self._pending = None
+            started.wait()
+            self._add_reduced(bucket, reduced)
+
+    def _add_reduced(self, bucket: _Bucket, reduced: torch.Tensor) -> None:
         if self.replicate_group is not None:
             all_reduce(reduced, self.replicate_group, self.comm_stats)
         bucket.shard_grad.add_(reduced)
-        bucket.ready = 0
 
     @torch.no_grad()
     def reduce_gradients(self) -> None:
@@ -191,6 +212,7 @@ class ZeroOptimizer:
             while self._next >= 0:
                 self._reduce_bucket_stage2(self._all[self._next])
                 self._next -= 1
+            self._finish_pending()
         for bucket in self._all:
             if self.stage == 1:
                 self._keep_grad_views(bucket)

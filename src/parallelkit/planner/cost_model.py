@@ -18,7 +18,7 @@
   §3.3.2) only the pipeline's fill and drain wait on them (the bubble keeps them); in the steady state they run
   behind the compute, exposed as the overlapped collectives below.
 - **data parallel** gradient all-reduce once per step (in 25 MiB buckets); **sharding** (ZeRO-3 / FSDP2)
-  all-gathers per micro-step (forward, and backward again when resharding after forward) and reduce-scatters (per
+  all-gathers per micro-step (forward, and backward again when resharding after forward, but the root unit once) and reduce-scatters (per
   micro-step without a pipeline, once after the last micro-batch with one), one collective per unit (each block and
   the rest of the model), HSDP's all-reduce of the shards over ``dp``. Overlap with
   backward is the runtime's (:class:`~parallelkit.planner.workload.Runtime`): overlapped communication costs
@@ -28,7 +28,8 @@
 - **DTensor dispatch**: tensor parallelism and FSDP2 run on DTensors, each operation of which costs the profile's
   ``dtensor_op_overhead`` on the host: per tp layer and micro-batch its 6 split linears × (1 forward + 2 backward)
   × 2 (the matmul and its redistribution) = 36 (+12 under full recompute); per FSDP2 unit and micro-step 8 (the
-  unshard/reshard and reduce-scatter hooks); per parameter tensor an optimizer step of ~10 elementwise ops.
+  unshard/reshard and reduce-scatter hooks); an optimizer step of ~10 elementwise ops per parameter tensor, or
+  ~10 in all where the step runs multi-tensor over one mesh's DTensors (FSDP2 without tensor parallelism or experts).
 - **shared compute units**: when a node has fewer compute units than ranks (CPU processes on fewer cores) the step
   takes at least the node's total compute divided by its units (idle pipeline ranks leave theirs to the others).
 """
@@ -277,7 +278,10 @@ class CostModel:
         if s > 1:
             # FSDP reduce-scatters every backward without a pipeline (ZeRO-1 once per step); a pipeline once.
             reductions = layout.micro_steps if (layout.pp == 1 and z >= 2) else 1
-            gathers = (2 if (layout.reshard_after_forward and layout.pp == 1) else 1) * (layout.micro_steps if (layout.pp == 1 and z >= 3) else 1)
+            # ZeRO-3 with reshard gathers each block in forward and again in backward, the root (embeddings, head)
+            # once: it stays gathered from forward into backward (FSDP2's root default).
+            twice = layout.reshard_after_forward and layout.pp == 1 and z >= 3
+            gathers = (2 - mem.root_elements / dense if twice and dense else 1) * (layout.micro_steps if (layout.pp == 1 and z >= 3) else 1)
             grads, params = dense * p.grad, dense * p.param
             # ZeRO-3 (FSDP2) gathers and reduces unit by unit (each block, then the rest): one collective per unit;
             # ZeRO-1/2 reduce and gather the whole flat buffer.
@@ -310,7 +314,10 @@ class CostModel:
         if layout.sharding > 1:
             ops += m * (len(layers) + 1) * 8
         tensors = len(layers) * shape.layer_tensors + 3  # + embedding / head / final norm
-        ops += 10 * tensors
+        # The optimizer's ~10 elementwise ops: per tensor, or once over all of them where every parameter is a DTensor
+        # of one mesh (FSDP2 alone; experts stay plain tensors beside them): the step then runs multi-tensor
+        # (use_foreach_for_dtensors).
+        ops += 10 * (1 if layout.tp == 1 and not shape.moe_layer_ids else tensors)
         return ops * self.hw.dtensor_op_overhead
 
     def _optimizer(self, memory: RankMemory) -> float:

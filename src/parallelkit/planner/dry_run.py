@@ -127,11 +127,13 @@ def expert_param_names(model: torch.nn.Module, plan_source: Any = None) -> set[s
     return {n for n, p in model.named_parameters() if id(p) in ids}
 
 
-def rank_state_bytes(model, dims, coords, options) -> tuple[dict[str, int], int, int]:
-    """``({params, grads, optimizer} bytes, unsharded local param bytes, of which expert bytes)`` of one rank."""
+def rank_state_bytes(model, dims, coords, options) -> tuple[dict[str, int], int, int, int]:
+    """``({params, grads, optimizer} bytes, unsharded local param bytes, of which expert bytes, of which outside
+    the repeated blocks)`` of one rank (the last: ZeRO-3's root unit, embeddings and head)."""
     keep = options["stage_names"][coords[PP]]
     tp_split, experts = options["tp_split"], options["experts"]
-    local = expert = 0.0
+    blocks = tuple(f"{b}." for b in options["blocks"])
+    local = expert = root = 0.0
     for name, p in model.named_parameters():
         if name not in keep:
             continue
@@ -139,25 +141,28 @@ def rank_state_bytes(model, dims, coords, options) -> tuple[dict[str, int], int,
         if name in experts:
             size /= dims.ep
             expert += size
+        if not name.startswith(blocks):
+            root += size
         local += size
     stage, s = options["zero_stage"], dims.sharding
     params = local / s if stage >= 3 else local
     grads = local / s if stage >= 2 else local
     opt = options["slots"] * local / (s if stage >= 1 else 1)  # fp32 state: slots × the fp32 parameters
-    return {"params": int(params), "grads": int(grads), "optimizer": int(opt)}, int(local), int(expert)
+    return {"params": int(params), "grads": int(grads), "optimizer": int(opt)}, int(local), int(expert), int(root)
 
 
 # ------------------------------------------------------------------------------------ traffic
-def rank_comm_bytes(dims, coords, local_bytes, options, expert_bytes: int = 0) -> dict[str, int]:
-    """Estimated bytes this rank sends per optimizer step, per axis."""
+def rank_comm_bytes(dims, coords, local_bytes, options, expert_bytes: int = 0, root_bytes: int = 0) -> dict[str, int]:
+    """Estimated bytes this rank sends per optimizer step, per axis (``root_bytes``: of ``local_bytes``, those
+    outside the repeated blocks: ZeRO-3's root unit, which stays gathered from forward into backward)."""
     dp, s, t = dims.dp, dims.sharding, dims.tp
     stage, cfg = options["zero_stage"], options["model_cfg"]
     b, seq, h, elem = options["rank_batch"], cfg["seq_len"], cfg["n_embd"], 4
     comm = {axis: 0.0 for axis in AXES}
     n = local_bytes
-    if s > 1:  # reduce-scatter of gradients + all-gather of parameters (twice under ZeRO-3 with reshard)
-        gathers = 2 if stage >= 3 and options["reshard_after_forward"] else 1
-        comm[SHARDING] = (1 + gathers) * n * (s - 1) / s
+    if s > 1:  # reduce-scatter of gradients + all-gather of parameters (the blocks twice under ZeRO-3 with reshard)
+        gathered = 2 * n - root_bytes if stage >= 3 and options["reshard_after_forward"] else n
+        comm[SHARDING] = (n + gathered) * (s - 1) / s
         comm[DP] = 2 * (n / s) * (dp - 1) / dp  # HSDP: replicas all-reduce their shard
     else:  # dense gradients over all dp ranks; experts only over the dp / ep ranks holding the same ones
         g = dp // dims.ep
@@ -196,6 +201,7 @@ def plan_options(model: torch.nn.Module, dims: ParallelDims, *, shape: dict[str,
     if key not in cache:
         cache[key] = tp_divisors(model, dims.tp, sequence_parallel, plan_source)
     options["tp_split"] = cache[key]
+    options["blocks"] = cache.setdefault("blocks", block_names(model))
     if dims.ep > 1:
         options["experts"] = cache.setdefault("experts", expert_param_names(model, plan_source))
     else:
@@ -239,9 +245,9 @@ def build_plan(overrides: list[str]) -> Plan:
                 sum(p.numel() for p in model.parameters()))
     for rank in range(dims.world_size):
         coords = dims.coordinates(rank)
-        state, local, expert = rank_state_bytes(model, dims, coords, options)
+        state, local, expert, root = rank_state_bytes(model, dims, coords, options)
         mine = {axis: next(g for g in axis_groups if rank in g) for axis, axis_groups in groups.items()}
-        plan.ranks.append(RankPlan(rank, coords, mine, state, rank_comm_bytes(dims, coords, local, options, expert)))
+        plan.ranks.append(RankPlan(rank, coords, mine, state, rank_comm_bytes(dims, coords, local, options, expert, root)))
     mcfg = options["model_cfg"]
     plan.notes.append(f"per-rank batch {options['rank_batch']} × seq {mcfg['seq_len']} × hidden {mcfg['n_embd']}; "
                       f"ZeRO stage {options['zero_stage']}; optimizer slots {options['slots']}")

@@ -76,8 +76,9 @@ def logits_bytes(w: Workload, micro_batch: int, tp: int) -> float:
 
 
 # ------------------------------------------------------------------------------------ parameters of a rank
-def rank_param_elements(shape: ModelShape, layout: Layout, layers: list[int], first: bool, last: bool) -> tuple[float, float, float]:
-    """``(elements this rank holds, of which experts, the largest layer's elements)`` after tp/ep/pp."""
+def rank_param_elements(shape: ModelShape, layout: Layout, layers: list[int], first: bool, last: bool) -> tuple[float, float, float, float]:
+    """``(elements this rank holds, of which experts, the largest layer's elements, of which outside the layers)``
+    after tp/ep/pp (the last: embeddings, head and the rest, FSDP2's root unit)."""
     tp, ep = layout.tp, layout.ep
     n_moe = sum(1 for layer in layers if shape.is_moe(layer)) if shape.moe_layer_ids else 0
     dense = (shape.dense_layer - shape.dense_layer_replicated) / tp + shape.dense_layer_replicated
@@ -85,13 +86,14 @@ def rank_param_elements(shape: ModelShape, layout: Layout, layers: list[int], fi
     experts = n_moe * shape.expert_params / ep
     total = (len(layers) - n_moe) * dense + n_moe * moe
     largest = max(dense if len(layers) > n_moe else 0.0, moe if n_moe else 0.0)
+    in_layers = total
     if first:
         total += shape.embed_params / tp + shape.first_extra
     if last:
         total += shape.head_params / tp + shape.last_extra
         if shape.tied and layout.pp > 1:  # the output layer's copy of the tied embedding
             total += shape.embed_params / tp
-    return total, experts, largest
+    return total, experts, largest, total - in_layers
 
 
 @dataclass
@@ -108,6 +110,7 @@ class RankMemory:
     param_elements: float
     expert_elements: float
     units: float = 1.0  # FSDP units this rank holds: its blocks, and one for the rest of its modules
+    root_elements: float = 0.0  # of param_elements, those outside the layers (that one unit: the FSDP2 root)
 
     @property
     def state(self) -> float:
@@ -126,7 +129,7 @@ class RankMemory:
 def rank_memory(w: Workload, layout: Layout, stages: Stages, i: int) -> RankMemory:
     """The peak of pipeline rank ``stages``' ``i``-th entry (see the module docstring)."""
     shape, p = w.shape, w.precision
-    elements, experts, largest = rank_param_elements(shape, layout, stages.layers[i], stages.first[i], stages.last[i])
+    elements, experts, largest, outside = rank_param_elements(shape, layout, stages.layers[i], stages.first[i], stages.last[i])
     s, z = layout.sharding, layout.zero_stage if layout.sharding > 1 else 0
     dense = elements - experts  # experts are kept out of sharding (averaged over the ranks holding them)
     sharded = {k: dense / (s if z >= stage else 1) + experts for k, stage in (("p", 3), ("g", 2), ("o", 1))}
@@ -160,7 +163,7 @@ def rank_memory(w: Workload, layout: Layout, stages: Stages, i: int) -> RankMemo
         activations += stages.in_flight_head[i] * layer_input_bytes(w, b, layout.tp)
     logits = stages.in_flight_head[i] * logits_bytes(w, b, layout.tp) if stages.last[i] else 0.0
     units = len(layers) + (1 if stages.first[i] or stages.last[i] else 0)
-    return RankMemory(params, grads, master, optimizer, gathered, activations, logits, elements, experts, units)
+    return RankMemory(params, grads, master, optimizer, gathered, activations, logits, elements, experts, units, outside)
 
 
 def korthikanti_per_layer(s: int, b: int, h: int, a: int, t: int, sequence_parallel: bool = False) -> float:

@@ -27,6 +27,7 @@ from torch.distributed.fsdp import FSDPModule
 from typing_extensions import override
 
 from parallelkit.capabilities import LIGHTNING_BACKWARD
+from parallelkit.distributed.dtensor_step import use_foreach_for_dtensors
 from parallelkit.distributed.elastic import DEFAULT_TIMEOUT_S, init_process_group_for_attempt, process_group_timeout
 from parallelkit.distributed.grad_sync import GradAllReduce
 from parallelkit.distributed.parallel_dims import DEFAULT_MESH_ORDER, ParallelDims, add_lightning_axis_names
@@ -127,6 +128,7 @@ class MeshStrategy(ParallelKitStrategyMixin, ModelParallelStrategy):
             self.setup_optimizers(trainer)
             self.shard_optimizers()
             self.check_optimizers()
+            use_foreach_for_dtensors(self.optimizers)  # sharded/TP parameters: one DTensor dispatch per op, not per tensor
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)

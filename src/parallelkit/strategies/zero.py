@@ -45,6 +45,9 @@ class ZeroStrategy(MeshStrategy):
             LightningModule shards itself in ``configure_model`` (then its own units are kept).
         reshard_after_forward: stage 3 frees gathered parameters after forward and gathers them again
             for backward (ZeRO-3); ``False`` keeps them until after backward (less traffic, more memory).
+        prefetch: stage 3 overlaps communication with compute: the next unit's all-gather runs while the
+            current one computes (one unit gathered ahead at most), and on gloo each unit's gradient
+            reduce-scatter while the next unit's backward runs; ``False``: each collective when its unit needs it.
         bucket_cap_mb: stages 0-2 gradient/parameter bucket size (communication fusion).
 
     Example::
@@ -63,6 +66,7 @@ class ZeroStrategy(MeshStrategy):
         shard_modules: list[str] | None = None,
         shard_min_params: int | None = None,
         reshard_after_forward: bool = True,
+        prefetch: bool = True,
         bucket_cap_mb: float = 25.0,
         save_distributed_checkpoint: bool = True,
         timeout_s: float = DEFAULT_TIMEOUT_S,
@@ -86,7 +90,7 @@ class ZeroStrategy(MeshStrategy):
             raise ConfigError(f"strategy.bucket_cap_mb should be a number greater than 0. Got {bucket_cap_mb!r}.")
         check_unit_policy(stage, per_block, shard_modules, shard_min_params)
         check_stage_knobs(stage, sharding_group=sharding_group, per_block=per_block, reshard_after_forward=reshard_after_forward,
-                          bucket_cap_mb=bucket_cap_mb)
+                          prefetch=prefetch, bucket_cap_mb=bucket_cap_mb)
         super().__init__(save_distributed_checkpoint=save_distributed_checkpoint, timeout_s=timeout_s, process_group_backend=process_group_backend)
         self.stage = stage
         self.sharding_group = None if sharding_group in (None, -1) else sharding_group
@@ -95,6 +99,7 @@ class ZeroStrategy(MeshStrategy):
         self.shard_modules = list(shard_modules) if shard_modules else None
         self.shard_min_params = shard_min_params
         self.reshard_after_forward = reshard_after_forward
+        self.prefetch = prefetch
         self.bucket_cap_mb = float(bucket_cap_mb)
         # Stages 0-2 keep full parameters on every rank between steps; stage 3 keeps shards only.
         self.capabilities = frozenset({LIGHTNING_BACKWARD} | ({REPLICATED_PARAMS} if stage < 3 else set()))
@@ -127,6 +132,7 @@ class ZeroStrategy(MeshStrategy):
                 mesh,
                 units=self._sharding_units(model),
                 reshard_after_forward=self.reshard_after_forward,
+                prefetch=self.prefetch,
                 offload_params=self.offload == "params",
                 comm_stats=self.comm_stats,
             )
@@ -224,6 +230,7 @@ _STAGE_KNOBS = {
     "sharding_group": ((1, 2, 3), "stage 0 is plain data parallelism: nothing is sharded, so there are no sharding groups"),
     "per_block": ((3,), "only stage 3 shards the parameters, in units"),
     "reshard_after_forward": ((3,), "only stage 3 gathers sharded parameters for forward"),
+    "prefetch": ((3,), "only stage 3 gathers parameters unit by unit before they are used"),
     "bucket_cap_mb": ((0, 1, 2), "stage 3 (FSDP2) communicates per sharding unit, not in buckets"),
 }
 
@@ -236,7 +243,7 @@ def check_stage_knobs(stage: int, **given: Any) -> None:
     defaults = {name: p.default for name, p in inspect.signature(ZeroStrategy.__init__).parameters.items()}
     for name, value in given.items():
         stages, why = _STAGE_KNOBS[name]
-        if name in ("per_block", "reshard_after_forward") and not isinstance(value, bool):
+        if name in ("per_block", "reshard_after_forward", "prefetch") and not isinstance(value, bool):
             raise ConfigError(f"strategy.{name} should be true or false. Got {value!r}.")
         unset = value == defaults[name] or (name == "sharding_group" and value == -1)  # -1 = null: all ranks
         if stage not in stages and not unset:

@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any
 
 TRACE_DIR = "pipeline_trace"
-COLORS = {"F": "#4C78A8", "B": "#54A24B", "I": "#F58518", "W": "#B279A2"}
-NAMES = {"F": "forward", "B": "backward", "I": "backward (input)", "W": "backward (weight)"}
+COLORS = {"F": "#4C78A8", "L": "#72B7B2", "B": "#54A24B", "I": "#F58518", "W": "#B279A2"}
+NAMES = {"F": "forward", "L": "loss (last stage)", "B": "backward", "I": "backward (input)", "W": "backward (weight)"}
 
 
 def load_traces(run_dir: Path) -> list[dict[str, Any]]:
@@ -96,7 +96,7 @@ def draw(per_rank: dict[int, list[dict]], traces: list[dict[str, Any]], path: Pa
     ax.set_xlim(0, span)
     ax.set_xlabel("time in the step (ms)")
     ax.set_title(title, fontsize=10)
-    kinds = sorted({e["kind"] for events in per_rank.values() for e in events if e["kind"] in COLORS}, key="FBIW".index)
+    kinds = sorted({e["kind"] for events in per_rank.values() for e in events if e["kind"] in COLORS}, key="FLBIW".index)
     handles = [Patch(color=COLORS[k], label=NAMES[k]) for k in kinds] + [Patch(color="#999999", label="waiting on send/recv")]
     ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.18 if len(ranks) < 4 else -0.1), ncol=len(handles), fontsize=8, frameon=False)
     fig.tight_layout()
