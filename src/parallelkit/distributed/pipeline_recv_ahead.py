@@ -4,8 +4,10 @@ torch's schedules post a receive just before the compute that needs it. On gloo 
 the matching receive is posted (the receiver announces it is ready, then the sender's thread writes), so a
 receive posted late costs a round trip and two thread wake-ups on every hand-off: measured between two
 processes here, 64 KiB one way takes 64 µs at the median but 1.26 ms at the 90th percentile when the receive
-comes after the send, and 79 / 90 µs when it was posted first. Spread over a pipeline step, those hand-offs
-were most of the gap between the measured bubble and (P−1)/(V·M+P−1) (bench/pipeline.py).
+comes after the send, and 79 / 90 µs when it was posted first; and a sender that waits for its send (GPipe
+waits for all its forward sends before its backward) is held until its receiver gets there. On the quiet 2-core
+machine the measured bubble moved only a little closer to (P−1)/(V·M+P−1) (bench/pipeline.py): the rest of
+each hand-off (the schedule's code, the ``isend`` call, the transfer, the wake-up) remains.
 
 Here, the first time a schedule asks a stage for its forward (backward) receives in a step, all of that step's
 forward (backward) receives of the stage are posted at once, into the stage's own per-micro-batch buffers; the
