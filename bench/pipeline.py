@@ -220,7 +220,7 @@ def print_table(rows: list[dict]) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--unit-ms", type=float, default=50.0, help="forward cost of a stage per micro-batch (backward: 2×)")
-    parser.add_argument("--steps", type=int, default=3, help="steps per configuration (the first is not measured)")
+    parser.add_argument("--steps", type=int, default=5, help="steps per configuration (the first is not measured)")
     parser.add_argument("--pp", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--print-only", action="store_true", help="print the table of bench/results/pipeline.json")
     args = parser.parse_args()

@@ -4,7 +4,8 @@ activations autograd keeps, and (``trace=True``) every wait on a send/receive fo
 :func:`instrument_stage` wraps one ``torch.distributed.pipelining`` stage object's compute and send/receive
 op getters (instance attributes: nothing global changes); :func:`time_the_loss` counts the last stage's loss,
 which the schedules compute outside the stage's forward, as its compute; :func:`traced_waits` times the
-schedules' waits while a traced step runs.
+schedules' waits while a traced step runs; :func:`label_actions_only_under_a_profiler` keeps torch's per-action
+profiler labels from costing time when no profiler records.
 """
 
 from __future__ import annotations
@@ -240,3 +241,22 @@ def traced_waits(stats: PipelineStats) -> Iterator[None]:
     finally:
         schedules._batch_p2p, schedules._wait_batch_p2p = batch_p2p, wait_batch_p2p
         _OP_LABELS.clear()
+
+
+def label_actions_only_under_a_profiler() -> None:
+    """torch's schedules wrap every action (compute, send, receive) in ``record_function``: two dispatcher
+    operators and a ``RecordFunction`` object each, ~40 µs per action right after an idle wait, when no profiler
+    records anything. Measured on the bench's interleaved 1F1B (P=2, M=4, 46 actions per rank and step): 1.7 ms of
+    a 700 ms step, 2.2 points of the bubble's error. The labels are kept whenever a profiler runs
+    (``torch.profiler.profile`` or the autograd profiler); process-wide and idempotent."""
+    from torch.distributed.pipelining import schedules
+
+    if getattr(schedules.record_function, "only_under_a_profiler", False):
+        return
+    label = schedules.record_function
+
+    def record_function(name: str, args: str | None = None) -> Any:
+        return label(name, args) if torch.autograd._profiler_enabled() else contextlib.nullcontext()
+
+    record_function.only_under_a_profiler = True  # type: ignore[attr-defined]
+    schedules.record_function = record_function

@@ -33,6 +33,7 @@ from parallelkit.distributed.pipeline_measure import (  # noqa: F401 (PipelineSt
     PipelineStats,
     SavedActivationMeter,
     instrument_stage,
+    label_actions_only_under_a_profiler,
     pipeline_spans,
     time_the_loss,
     traced_waits,
@@ -252,6 +253,7 @@ def apply_pp(
     stages = [pipelining.PipelineStage(m, s, num_stages, device, group=group) for m, s in zip(stage_modules, stage_ids)]
     params = [p for m in stage_modules for p in m.parameters()]
     stats, meter = PipelineStats(trace=trace), SavedActivationMeter(params)
+    label_actions_only_under_a_profiler()
     ahead = RecvAhead(stages, microbatches, stats.wait) if recv_ahead else None  # tags the hand-offs, posts receives early
     for stage in stages:
         instrument_stage(stage, stats, meter)
