@@ -90,7 +90,8 @@ def train(overrides: list[str], run_dir: Path, steps: int, timeout: float) -> di
 
 
 def overrides_of(layout) -> list[str]:
-    out = ["strategy=hybrid4d", *(f"strategy.{k}={v}" for k, v in layout.degrees.items())]
+    out = ["strategy=hybrid4d", *(f"strategy.{k}={v}" for k, v in layout.dims.as_dict().items()),
+           f"strategy.sequence_parallel={str(layout.sequence_parallel).lower()}"]
     if layout.pp > 1:
         out += [f"strategy.microbatches={layout.microbatches}", f"strategy.schedule={layout.schedule}"]
         if layout.virtual_stages > 1:

@@ -22,6 +22,9 @@ DDP_COMM_HOOK = "ddp_comm_hook"
 REPLICATED_PARAMS = "replicated_params"
 #: Lightning runs ``training_step`` and ``backward`` itself (a pipeline schedule does not).
 LIGHTNING_BACKWARD = "lightning_backward"
+#: the strategy runs forward under the precision plugin's context and backward on the loss its scaler scales, and
+#: steps through the plugin (``callbacks=[amp]``): Lightning's own step does, and so does the pipeline's schedule.
+MIXED_PRECISION = "mixed_precision"
 #: the model's embedding tables are held and updated by server ranks, not by the module's optimizer.
 SERVER_TABLES = "server_tables"
 #: sparse gradients (``nn.Embedding(sparse=True)``) are averaged as they are (only the rows of the batch).

@@ -270,3 +270,44 @@ class RecordListeners(Callback):
             path = os.path.join(self.out_dir, f"listeners_rank{trainer.global_rank}.json")
             with open(path, "w") as f:
                 json.dump({"pid": os.getpid(), "listening": listening_sockets()}, f)
+
+
+class InfGradient(Callback):
+    """Put an inf into one gradient of global rank ``rank`` (only) after the backward of step ``at_step``, and at the
+    end write what this rank's loss scaler did to ``DIR/amp_rank{r}.json`` (every rank), for the overflow tests."""
+
+    def __init__(self, rank: int, at_step: int) -> None:
+        self.rank = rank
+        self.at_step = at_step
+
+    def on_after_backward(self, trainer, pl_module) -> None:
+        if trainer.global_rank != self.rank or trainer.global_step != self.at_step:
+            return
+        for param in pl_module.parameters():
+            if param.grad is not None:
+                grad = param.grad._local_tensor if hasattr(param.grad, "_local_tensor") else param.grad
+                grad.view(-1)[0] = float("inf")
+                print(f"fault_injection: inf in a gradient of rank {self.rank} at step {trainer.global_step}", file=sys.stderr, flush=True)
+                return
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        import json
+        from pathlib import Path
+
+        scaler = getattr(trainer.strategy.precision_plugin, "scaler", None)
+        record = {"rank": trainer.global_rank, "loss_scale": scaler.scale, "skipped_steps": scaler.skipped_steps}
+        (Path(trainer.default_root_dir) / f"amp_rank{trainer.global_rank}.json").write_text(json.dumps(record))
+
+
+class DropGradSync(Callback):
+    """Remove the strategy's gradient syncs of one ``kind`` (e.g. ``grad_allreduce``) before training: the negative
+    control of a composition test, whose comparison with one process must then fail."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        syncs = trainer.strategy.grad_syncs
+        kept = [s for s in syncs if getattr(s, "kind", None) != self.kind]
+        assert len(kept) < len(syncs), f"no gradient sync of kind {self.kind!r} to drop"
+        trainer.strategy.grad_syncs[:] = kept

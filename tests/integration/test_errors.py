@@ -60,7 +60,7 @@ BAD_INPUT = [
     (["callbacks=[amp]", "callbacks.amp.dtype=fp8"], 2, ["callbacks.amp.dtype must be one of", "'fp8'"]),
     (["callbacks=[amp]", "callbacks.amp.incr_ratio=4.0"], 2, ["callbacks.amp.incr_ratio only applies to dtype=fp16"]),
     (["recompute=most"], 2, ["recompute must be one of none, full, selective", "'most'"]),
-    (["strategy=pp", "trainer.devices=2", "callbacks=[amp]"], 2, ["callbacks=[amp]", "does not work with strategy=pp", "lightning_backward"]),
+    (["strategy=deepspeed", "trainer.devices=2", "callbacks=[amp]"], 2, ["callbacks=[amp]", "does not work with strategy=deepspeed", "mixed_precision"]),
     (["ckpt_path=/nonexistent/last.ckpt"], 2, ["ckpt_path=/nonexistent/last.ckpt does not exist"]),
     (["ckpt_path=CORRUPT"], 2, ["is corrupt or truncated"]),
     (["ckpt_path=INCOMPLETE"], 2, ["incomplete sharded checkpoint", "meta.pt"]),

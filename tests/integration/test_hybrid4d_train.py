@@ -125,7 +125,7 @@ def test_negative_control_different_seed_is_caught(single_reference, tmp_path):
     [
         (dict(tp=3, pp=1, dp=-1), False, "tp(3)"),
         (dict(tp=4, pp=1, dp=1), False, "strategy.tp=4 does not divide"),
-        (dict(tp=2, pp=2, dp=1, sequence_parallel=True), False, "sequence_parallel=true with strategy.pp=2"),
+        (dict(tp=1, pp=2, dp=2, sequence_parallel=True), False, "sequence_parallel=true needs strategy.tp > 1"),
         (dict(tp=2, pp=-1, dp=1), False, "explicit strategy.pp"),
         (dict(tp=1, pp=1, dp=2, sharding=2, ep=4), False, "Mixture-of-Experts"),
         (dict(tp=1, pp=1, dp=2, sharding=2, ep=3), True, "strategy.ep=3 must divide dp(2) × sharding(2)"),

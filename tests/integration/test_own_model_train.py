@@ -197,7 +197,7 @@ def test_bad_input_about_the_users_model(project, case, tmp_path):
     (project / "my_conf" / "model" / "manual.yaml").write_text("_target_: mynet.manual.ManualCharMLP\n")
     args, words = {
         "no-plan": (["NO_SMALL", "model=mlp", "data=synthetic", "strategy=tp", "trainer.devices=2"],
-                    ["strategy=tp needs a tensor parallel plan for MLP", "tensor_parallel_plan(model, tp, *, sequence_parallel)",
+                    ["strategy=tp with strategy.tp=2 needs a tensor parallel plan for MLP", "tensor_parallel_plan(model, tp, *, sequence_parallel)",
                      "strategy.plan=PATH", "parallelkit.models.mlp.parallelize"]),
         "no-import": (["model._target_=nosuchpkg.Net"], ["model._target_=nosuchpkg.Net does not import", "no module named 'nosuchpkg'"]),
         "manual-pp": (["NO_SMALL", "model=manual", "data.seq_len=16", "strategy=pp", "trainer.devices=2"],

@@ -34,6 +34,9 @@ CASES = {
     "pp": [*TINY, "strategy=pp", "strategy.pp=2", "strategy.microbatches=2", "trainer.devices=2"],
     "moe": [*TINY, "model=moe_gpt", "strategy=moe", "strategy.ep=2", "trainer.devices=2"],
     "hybrid4d": [*TINY, "strategy=hybrid4d", "strategy.tp=2", "strategy.pp=2", "trainer.devices=4"],
+    # sequence-sharded bf16 hand-offs between stages and SP's collectives at once
+    "hybrid4d_sp_bf16": [*TINY, "strategy=hybrid4d", "strategy.tp=2", "strategy.pp=2", "strategy.sequence_parallel=true",
+                         "trainer.precision=bf16-mixed", "trainer.devices=4"],
     # TensorPipe between processes of one host uses shared memory, which no write call sees: over TCP here,
     # as between hosts. Its framing (about 0.5 KiB per request) is not counted: ~1.5 % of a worker's bytes.
     "ps": [*CTR, "strategy=ps", "trainer.devices=3", "strategy.rpc_transports=[uv]", "strategy.rpc_channels=[basic]"],

@@ -15,6 +15,11 @@ from parallelkit.planner.report import format_ranking
 from parallelkit.planner.search import Candidate, evaluate
 from parallelkit.strategies.auto import AutoStrategy
 
+
+def lay(dp: int = 1, sharding: int = 1, tp: int = 1, pp: int = 1, **options) -> Layout:
+    """A layout of these degrees (their product the world size) and options."""
+    return Layout(ParallelDims(dp * sharding * tp * pp, dp=dp, sharding=sharding, tp=tp, pp=pp), **options)
+
 TINY = ["model.n_layer=2", "model.n_embd=32", "model.n_head=2", "data.seq_len=16", "data.global_batch_size=16"]
 # ~100M parameters (16Ψ ≈ 1.6 GB with fp32 AdamW), a small batch so the model state dominates.
 LARGE = ["model.n_layer=8", "model.n_embd=1024", "model.n_head=16", "data.seq_len=64", "data.global_batch_size=16"]
@@ -127,7 +132,7 @@ def test_tight_memory_makes_the_search_accumulate_gradients():
 
 def evaluate_dp(cfg, hw, accumulate: int):
     w = workload_of(cfg)
-    return evaluate(w, hw, Layout(2, 1, 1, 1, micro_batch=4 // accumulate, accumulate=accumulate))
+    return evaluate(w, hw, lay(2, 1, 1, 1, micro_batch=4 // accumulate, accumulate=accumulate))
 
 
 def test_auto_strategy_refuses_degrees_and_bad_hardware():
@@ -162,5 +167,5 @@ def test_dry_run_shows_the_layout_auto_would_train():
 
 
 def test_candidate_reports_why_it_does_not_fit():
-    c = Candidate(Layout(1, 1, 1, 1), memory={"total": 3 * GiB})
+    c = Candidate(lay(1, 1, 1, 1), memory={"total": 3 * GiB})
     assert "3.00 GiB" in c.why_not(2 * GiB)

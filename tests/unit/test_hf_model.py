@@ -61,12 +61,17 @@ def test_tensor_parallel_plan_is_the_configs_plus_vocabulary_parallel_ends():
     assert plan.loss_parallel and plan.scopes == {"hf.model.layers.*": "tp_block"}
     with pytest.raises(ConfigError, match="strategy.tp=4 does not divide model.num_key_value_heads=2"):
         plans.tensor_parallel_plan(tiny(), 4)
-    with pytest.raises(ConfigError, match="no base_model_tp_plan"):
-        plans.tensor_parallel_plan(tiny("gpt2"), 2)
+    gpt2 = plans.tensor_parallel_plan(tiny("gpt2"), 2).layout  # parallelkit's plan for the fused Conv1D attention
+    assert type(gpt2["hf.transformer.h.*.attn.c_attn"]).__name__ == "Conv1DColwise" and gpt2["hf.transformer.h.*.attn.c_attn"].fused == 3
+    assert type(gpt2["hf.transformer.h.*.attn.c_proj"]).__name__ == "Conv1DRowwise"
+    assert type(gpt2["hf.transformer.h.*.mlp.c_fc"]).__name__ == "Conv1DColwise" and gpt2["hf.transformer.h.*.mlp.c_fc"].fused == 1
+    with pytest.raises(ConfigError, match="GPT-2 adds its learned positions to the whole sequence"):
+        plans.tensor_parallel_plan(tiny("gpt2"), 2, sequence_parallel=True)
     moe = plans.tensor_parallel_plan(tiny("mixtral"), 2).layout  # attention split, experts whole (ep spreads them)
     assert "hf.model.layers.*.self_attn.q_proj" in moe and not any(".experts" in key for key in moe)
-    with pytest.raises(ConfigError, match="ties its input and output embeddings"):
-        plans.tensor_parallel_plan(tiny("qwen2", overrides={"tie_word_embeddings": True}), 2)
+    tied = plans.tensor_parallel_plan(tiny("qwen2", overrides={"tie_word_embeddings": True}), 2).layout  # one matrix, sharded once
+    assert repr(tied["hf.model.embed_tokens"]).startswith("Tied(RowwiseParallel") and repr(tied["hf.lm_head"]).startswith("Tied(ColwiseParallel")
+    assert not repr(layout["hf.lm_head"]).startswith("Tied(")
     sequence = plans.tensor_parallel_plan(tiny(), 2, sequence_parallel=True).layout
     assert type(sequence["hf.model.layers.*.input_layernorm"]).__name__ == "SequenceParallel"
     assert type(sequence["hf.model.norm"]).__name__ == "SequenceParallel"
@@ -127,9 +132,24 @@ def test_grouped_experts_compute_what_transformers_fused_experts_compute():
         plans.expert_parallel_plan(tiny())
 
 
-def test_tied_embeddings_refused_by_the_pipeline():
-    with pytest.raises(ConfigError, match="first and the last pipeline stage would share one weight"):
-        plans.pipeline_stages(tiny("gpt2", overrides={"tie_word_embeddings": True}), [range(0, 2), range(2, 3)], [0])
+def test_tied_embeddings_in_pipeline_stages():
+    """The first stage keeps the embedding, the last the output layer with the tied weight; they name them for the
+    tied-embedding sync; one rank running both ends (V-shaped schedules) gets two equal, separate copies."""
+    blocks = [range(0, 2), range(2, 3)]
+    model = tiny("gpt2", overrides={"tie_word_embeddings": True})
+    weight = model.hf.get_input_embeddings().weight.detach().clone()
+    first, last = copy.deepcopy(model), copy.deepcopy(model)
+    (stage0,) = plans.pipeline_stages(first, blocks, [0])
+    (stage1,) = plans.pipeline_stages(last, blocks, [1])
+    assert stage0.tied_weights == {"embedding": "embed.weight"} and stage1.tied_weights == {"embedding": "lm_head.weight"}
+    assert "hf.lm_head.weight" in dict(last.named_parameters()) and "hf.transformer.wte.weight" not in dict(last.named_parameters())
+    torch.testing.assert_close(stage1.get_parameter("lm_head.weight").detach(), weight, rtol=0, atol=0)
+    both = copy.deepcopy(model)
+    ends = plans.pipeline_stages(both, [range(0, 1), range(1, 2), range(2, 3)], [0, 2])
+    assert ends[0].embed.weight is not ends[1].lm_head.weight
+    torch.testing.assert_close(ends[1].lm_head.weight.detach(), ends[0].embed.weight.detach(), rtol=0, atol=0)
+    (untied,) = plans.pipeline_stages(tiny("gpt2"), blocks, [0])
+    assert not getattr(untied, "tied_weights", None)
 
 
 def test_export_round_trip_of_a_single_file_checkpoint(tmp_path):
@@ -156,3 +176,45 @@ def test_export_round_trip_of_a_single_file_checkpoint(tmp_path):
     torch.save(checkpoint, tmp_path / "plain.ckpt")
     with pytest.raises(ConfigError, match="only model=hf checkpoints carry a transformers config"):
         export(tmp_path / "plain.ckpt", tmp_path / "out2")
+
+
+def _tied_checkpoint(tmp_path, name: str, change_head: float | None):
+    """A single-file checkpoint of a tied llama whose state dict holds the tied weight under both names (as a pipeline
+    run's does: the first stage writes the embedding, the last lm_head.weight)."""
+    from parallelkit.models.module import TrainModule
+
+    model = tiny(overrides={"tie_word_embeddings": True})
+    module = TrainModule(model, None)
+    state = {k: v.clone() for k, v in module.state_dict().items()}
+    assert "model.hf.lm_head.weight" in state and "model.hf.model.embed_tokens.weight" in state
+    if change_head is not None:
+        state["model.hf.lm_head.weight"] += change_head
+    checkpoint: dict = {"state_dict": state}
+    module.on_save_checkpoint(checkpoint)
+    torch.save(checkpoint, tmp_path / name)
+    return model
+
+
+def test_export_of_a_tied_model_writes_one_weight(tmp_path):
+    import json
+
+    import transformers
+    from safetensors import safe_open
+
+    from parallelkit.tools.export import export
+
+    model = _tied_checkpoint(tmp_path, "tied.ckpt", None)
+    out = export(tmp_path / "tied.ckpt", tmp_path / "out")
+    assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is True
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        keys = set(f.keys())
+    assert "model.embed_tokens.weight" in keys and "lm_head.weight" not in keys  # saved once
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(out, local_files_only=True).eval()
+    assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
+    ids = torch.randint(0, 64, (1, 10), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(input_ids=ids).logits, model.eval()(ids))
+    # Negative control: copies that drifted apart (a pipeline run without the sum of their gradients) are refused.
+    _tied_checkpoint(tmp_path, "drifted.ckpt", 1e-2)
+    with pytest.raises(ConfigError, match="two copies of that weight .* differ"):
+        export(tmp_path / "drifted.ckpt", tmp_path / "out2")

@@ -101,3 +101,32 @@ def test_precision_comes_from_the_trainer_and_the_amp_callback():
 def test_a_workload_without_a_sequence_length_says_so():
     with pytest.raises(ConfigError, match="needs a sequence length"):
         workload_from_config(compose_config(["model=gpt", "data=synthetic"]))
+
+
+def test_hf_families_mirror_what_parallelkit_can_cut_and_split():
+    """The planner refuses tensor parallelism, sequence parallelism and pipeline stages for exactly the families
+    models/hf/parallelize.py refuses them for (its own checks, asked with each family's transformers config); tied
+    embeddings refuse none of them."""
+    import types
+
+    import transformers
+
+    from parallelkit.models.hf.decoder import DECODER_LOOP_TYPES
+    from parallelkit.models.hf.parallelize import check_tensor_parallel
+    from parallelkit.planner.shapes import HF_FAMILIES
+
+    def allowed(model, sequence_parallel: bool) -> bool:
+        try:
+            check_tensor_parallel(model, 1, sequence_parallel)
+        except ConfigError:
+            return False
+        return True
+
+    assert {t for t, f in HF_FAMILIES.items() if f.get("decoder_loop")} == set(DECODER_LOOP_TYPES)
+    for model_type, family in HF_FAMILIES.items():
+        config = transformers.AutoConfig.for_model(model_type)
+        model = types.SimpleNamespace(config=config, moe_blocks=[object()] if family.get("moe") else [])
+        shape = hf_shape({**config.to_dict(), "tie_word_embeddings": True})
+        assert (shape.tp_plan is None) == allowed(model, False), model_type
+        assert (shape.sp_refusal is None) == allowed(model, True), model_type
+        assert (shape.pp_refusal is None) == (model_type in DECODER_LOOP_TYPES), model_type

@@ -6,8 +6,9 @@ fp16 the loss is scaled before backward and gradients are unscaled and checked o
 step (:class:`~parallelkit.distributed.loss_scaling.DynamicLossScaler`). Lightning's own
 ``precision="16-mixed"`` silently turns into bf16 on CPU; this does what it says on every device.
 
-It needs Lightning to run backward (the strategy's ``LIGHTNING_BACKWARD`` capability): a pipeline schedule
-or DeepSpeed's engine run backward themselves, so the combination is refused at setup.
+It needs a strategy that runs forward and backward through the precision plugin (the ``MIXED_PRECISION``
+capability): Lightning's own step does, and so does the pipeline's schedule (autocast around each stage's forward,
+the scale on the last stage's loss, one overflow check over every rank); DeepSpeed's engine does not.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing_extensions import override
 
 from parallelkit.callbacks.base import ParallelKitCallback
 from parallelkit.callbacks.run_summary import log_step_metrics
-from parallelkit.capabilities import LIGHTNING_BACKWARD, require_capabilities
+from parallelkit.capabilities import MIXED_PRECISION, require_capabilities
 from parallelkit.distributed.loss_scaling import DynamicLossScaler
 from parallelkit.distributed.precision_lists import apply_precision_lists
 from parallelkit.errors import ConfigError
@@ -128,12 +129,12 @@ class AMP(ParallelKitCallback):
 
     @override
     def check_strategy(self, strategy: Any, dims: Any = None) -> None:
-        """Refuse, before any process starts, a strategy that runs backward itself (pipeline, DeepSpeed)."""
+        """Refuse, before any process starts, a strategy that runs backward outside the precision plugin (DeepSpeed)."""
         require_capabilities(
             strategy,
             f"callbacks=[amp] (dtype={self.dtype})",
-            {LIGHTNING_BACKWARD: "it wraps Lightning's forward in autocast and scales the loss before Lightning's backward"},
-            instead="strategy=single, ddp, zero or tp",
+            {MIXED_PRECISION: "it wraps the forward in autocast and scales the loss before backward through the strategy's precision plugin"},
+            instead="strategy=single, ddp, zero, tp, pp or hybrid4d",
         )
 
     @override

@@ -30,8 +30,9 @@ DEFAULT_MESH_ORDER = (PP, DP, SHARDING, TP)
 class ParallelDims:
     """Resolved parallel degrees for ``world_size`` processes.
 
-    Use :meth:`from_degrees` to resolve a ``-1`` ("the remaining ranks") and validate; the
-    constructor validates already-resolved degrees.
+    Two forms of the one carrier of degrees: a *request* (:meth:`request`, ``world_size`` still unknown, at
+    most one degree ``-1`` = "the remaining ranks"), which a strategy holds from its constructor on, and the
+    *resolved* degrees for a world size (:meth:`resolve`, :meth:`from_degrees`), validated against it.
 
     Args:
         world_size: number of processes in the job.
@@ -49,7 +50,7 @@ class ParallelDims:
         dp_group = mesh.get_group("dp")
     """
 
-    world_size: int
+    world_size: int | None
     dp: int = 1
     sharding: int = 1
     tp: int = 1
@@ -72,15 +73,7 @@ class ParallelDims:
         """Resolve at most one ``-1`` among ``dp, sharding, tp, pp`` to the remaining ranks, then validate."""
         _check_positive_int("world_size", world_size)
         degrees = {DP: dp, SHARDING: sharding, TP: tp, PP: pp}
-        for name, value in degrees.items():
-            if not isinstance(value, int) or isinstance(value, bool) or (value < 1 and value != -1):
-                raise ConfigError(f"strategy.{name} must be a positive integer or -1 (the remaining ranks). Got {value!r}.")
-        free = [name for name, value in degrees.items() if value == -1]
-        if len(free) > 1:
-            raise ConfigError(
-                f"Only one of dp, sharding, tp, pp may be -1 (the remaining ranks); got -1 for {', '.join(free)}. "
-                "Set all but one of them explicitly."
-            )
+        free = _check_requested(degrees)
         if free:
             fixed = math.prod(v for v in degrees.values() if v != -1)
             if world_size % fixed:
@@ -92,12 +85,46 @@ class ParallelDims:
             degrees[free[0]] = world_size // fixed
         return cls(world_size=world_size, ep=ep, mesh_order=tuple(mesh_order), **degrees)
 
+    @classmethod
+    def request(
+        cls,
+        *,
+        dp: int = -1,
+        sharding: int = 1,
+        tp: int = 1,
+        pp: int = 1,
+        ep: int = 1,
+        mesh_order: tuple[str, ...] | list[str] = DEFAULT_MESH_ORDER,
+    ) -> ParallelDims:
+        """The degrees a strategy asks for before the world size is known (``-1``: the remaining ranks).
+
+        Each degree is checked now (a positive int, at most one ``-1``); :meth:`resolve` checks the product
+        against the processes started.
+        """
+        return cls(world_size=None, dp=dp, sharding=sharding, tp=tp, pp=pp, ep=ep, mesh_order=tuple(mesh_order))
+
+    def resolve(self, world_size: int) -> ParallelDims:
+        """These degrees for ``world_size`` processes (a request's ``-1`` resolved), validated."""
+        return type(self).from_degrees(world_size, **self.degrees, ep=self.ep, mesh_order=self.mesh_order)
+
+    @property
+    def is_resolved(self) -> bool:
+        return self.world_size is not None
+
     def __post_init__(self) -> None:
         if not all(isinstance(axis, str) for axis in self.mesh_order):
             raise ConfigError(f"mesh_order must be a permutation of {list(MESH_AXES)}; got {list(self.mesh_order)}.")
         object.__setattr__(self, "mesh_order", tuple(self.mesh_order))  # a list would make it unhashable
+        if sorted(self.mesh_order) != sorted(MESH_AXES):
+            raise ConfigError(
+                f"mesh_order must be a permutation of {list(MESH_AXES)}; got {list(self.mesh_order)}."
+            )
+        _check_positive_int("strategy.ep", self.ep)
+        if self.world_size is None:  # a request: each degree alone; the product once the world size is known
+            _check_requested(self.degrees)
+            return
         _check_positive_int("world_size", self.world_size)
-        for name in (DP, SHARDING, TP, PP, EP):
+        for name in (DP, SHARDING, TP, PP):
             _check_positive_int(f"strategy.{name}", getattr(self, name))
         product = self.dp * self.sharding * self.tp * self.pp
         if product != self.world_size:
@@ -111,10 +138,6 @@ class ParallelDims:
                 f"strategy.ep={self.ep} must divide dp({self.dp}) × sharding({self.sharding}) = "
                 f"{self.dp * self.sharding}: experts are spread over data-parallel ranks."
             )
-        if sorted(self.mesh_order) != sorted(MESH_AXES):
-            raise ConfigError(
-                f"mesh_order must be a permutation of {list(MESH_AXES)}; got {list(self.mesh_order)}."
-            )
 
     # ------------------------------------------------------------------ views
     @property
@@ -125,6 +148,23 @@ class ParallelDims:
     def as_dict(self) -> dict[str, int]:
         """All five degrees, as written to ``summary.json``."""
         return {DP: self.dp, SHARDING: self.sharding, TP: self.tp, PP: self.pp, EP: self.ep}
+
+    # Which techniques the degrees turn on (a request's -1 counts as on: it may take more than one rank).
+    @property
+    def tp_enabled(self) -> bool:
+        return self.tp != 1
+
+    @property
+    def pp_enabled(self) -> bool:
+        return self.pp != 1
+
+    @property
+    def sharding_enabled(self) -> bool:
+        return self.sharding != 1
+
+    @property
+    def ep_enabled(self) -> bool:
+        return self.ep != 1
 
     @property
     def data_parallel_size(self) -> int:
@@ -218,6 +258,20 @@ def add_lightning_axis_names(mesh: Any) -> None:
 def _check_positive_int(name: str, value: object) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ConfigError(f"{name} should be an int greater than 0. Got {value!r}.")
+
+
+def _check_requested(degrees: dict[str, int]) -> list[str]:
+    """Each requested degree a positive int or -1, at most one -1; returns the names of the -1 degrees."""
+    for name, value in degrees.items():
+        if not isinstance(value, int) or isinstance(value, bool) or (value < 1 and value != -1):
+            raise ConfigError(f"strategy.{name} must be a positive integer or -1 (the remaining ranks). Got {value!r}.")
+    free = [name for name, value in degrees.items() if value == -1]
+    if len(free) > 1:
+        raise ConfigError(
+            f"Only one of dp, sharding, tp, pp may be -1 (the remaining ranks); got -1 for {', '.join(free)}. "
+            "Set all but one of them explicitly."
+        )
+    return free
 
 
 def _product_text(degrees: dict[str, int], skip: str | None = None) -> str:

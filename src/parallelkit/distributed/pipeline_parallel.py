@@ -11,7 +11,9 @@ parallel's, keep their own kinds).
 With ``trace=True`` the start/end of every compute and of every wait on a send/recv is recorded for the
 timeline picture (:mod:`parallelkit.tools.pipeline_timeline`); the measuring is
 :mod:`~parallelkit.distributed.pipeline_measure`'s. Each step's receives are posted ahead, so that hand-offs
-arrive while a stage computes (:mod:`~parallelkit.distributed.pipeline_recv_ahead`).
+arrive while a stage computes (:mod:`~parallelkit.distributed.pipeline_recv_ahead`). A hand-off may be a DTensor
+(tensor parallel with sequence parallel: the sequence shard with its layout); only its local shard travels,
+and the stages find its mesh among their own (:func:`dtensor_mesh_lookup`).
 
 The schedule runs forward and backward itself; the caller gets the mean micro-batch loss on the last
 stage (gradients are divided by the micro-batch count, so they are those of the whole batch's mean loss).
@@ -146,6 +148,43 @@ def _is_activation(tensor: Any) -> bool:
     return tensor is not None and (tensor.is_floating_point() or tensor.is_complex())
 
 
+def dtensor_mesh_lookup(stage_modules: list[nn.Module]) -> Callable[[tuple[str, ...], Any], Any]:
+    """The ``get_mesh`` callback of this rank's ``PipelineStage`` s: the device mesh a received DTensor lives on.
+
+    A hand-off may be a DTensor (sequence parallel: the sequence shard, with its layout, see
+    :func:`~parallelkit.distributed.tensor_parallel.sequence_parallel_blocks`). ``torch.distributed.pipelining``
+    sends its local shard and, once, its metadata, which names the mesh by dimension names and layout only; the
+    receiver must map that back to its own mesh object (else: "Mesh not found in cache"). Those are the meshes
+    its stages' DTensor parameters live on (tensor parallel's; FSDP2's 2-D ones) or a sub-mesh of their root.
+    """
+    candidates: list[Any] = []
+    for module in stage_modules:
+        for param in module.parameters():
+            mesh = getattr(param, "device_mesh", None)
+            if mesh is None:
+                continue
+            for found in (mesh, mesh._get_root_mesh()):
+                if all(found is not c for c in candidates):
+                    candidates.append(found)
+
+    def get_mesh(dim_names: tuple[str, ...], layout: Any) -> Any:
+        names = tuple(dim_names)
+        for mesh in candidates:
+            own = tuple(mesh.mesh_dim_names or ())
+            if own == names and mesh._layout == layout:
+                return mesh
+            if names and set(names) <= set(own):
+                try:
+                    sub = mesh[names[0] if len(names) == 1 else names]
+                except (KeyError, RuntimeError, ValueError):
+                    continue
+                if sub._layout == layout:
+                    return sub
+        return None  # pipelining names the mesh it could not find
+
+    return get_mesh
+
+
 # ---------------------------------------------------------------------------------------- the pipeline
 @dataclass
 class PipelineParallel:
@@ -250,7 +289,9 @@ def apply_pp(
     spec = SCHEDULES[schedule]
     pp = dist.get_world_size(group)
     check_pipeline_config(pp, microbatches, schedule, num_stages // pp)
-    stages = [pipelining.PipelineStage(m, s, num_stages, device, group=group) for m, s in zip(stage_modules, stage_ids)]
+    get_mesh = dtensor_mesh_lookup(stage_modules)
+    stages = [pipelining.PipelineStage(m, s, num_stages, device, group=group, get_mesh=get_mesh)
+              for m, s in zip(stage_modules, stage_ids)]
     params = [p for m in stage_modules for p in m.parameters()]
     stats, meter = PipelineStats(trace=trace), SavedActivationMeter(params)
     label_actions_only_under_a_profiler()

@@ -15,6 +15,16 @@ gradient clipping refuse a mix of DTensors and plain tensors), and returns a :cl
   replicated parameters used on sequence shards (LayerNorm under sequence parallel) get partial-sum
   gradients, which are all-reduced here in one fused buffer, counted.
 
+Sequence parallel composes with FSDP2 and with a pipeline as follows (tested against one process in
+``tests/distributed/test_sequence_parallel_compose.py``). FSDP2 (:func:`~parallelkit.distributed.fsdp.apply_fsdp`
+after :func:`apply_tp`) sums the partial gradients over ``tp`` itself: before its reduce-scatter over the sharding
+ranks it redistributes each DTensor gradient to its unsharded parameter's placements (``Partial`` → ``Replicate``,
+one all-reduce per norm parameter, counted under this handle's kinds as the backward's ``tp.all_reduce``): the
+Megatron order, tp before the data-parallel reduction, and ``sync`` finds nothing left. Through a pipeline the
+partial sums reach ``sync`` after the schedule's backward. A pipeline stage hands on the sequence shard
+(``seq / tp`` positions); where a stage needs the whole sequence's shape, the plan's
+:func:`sequence_parallel_blocks` makes the hand-off a DTensor.
+
 Bytes are what each collective writes from this rank at the algorithm the backend runs
 (:func:`~parallelkit.distributed.comm_stats.wire_bytes`). On NCCL these are Megatron's figures: an all-reduce
 of ``N`` bytes over ``t`` ranks sends ``2N(t−1)/t``, an all-gather or reduce-scatter ``N(t−1)/t``, so
@@ -182,6 +192,35 @@ class TensorParallel:
             summed = flat[offset : offset + local.numel()].view_as(local)
             offset += local.numel()
             param.grad = DTensor.from_local(summed, param.device_mesh, param.placements, run_check=False)
+
+
+def sequence_parallel_blocks(stream: Any = None) -> Any:
+    """The plan entry for a model's repeated blocks under sequence parallelism (e.g. ``{"layers.*": ...}``).
+
+    Each block takes this rank's sequence shard as a local tensor and hands it on as a DTensor laid out as
+    ``stream`` (default ``Shard(1)``). Inside a block the residual stream must stay local (a row-parallel
+    output is local, and a DTensor cannot be added to a plain tensor); between blocks it carries its layout.
+    That matters where a block's output leaves the process: a pipeline stage hands it to the next as a DTensor
+    (``torch.distributed.pipelining`` sends only the local shard, seq/tp positions, and rebuilds the DTensor
+    from its metadata), so the next stage sees the whole sequence's shape, which a stage that builds masks and
+    positions from its input needs (Hugging Face decoders: with a plain shard they were built for seq/tp
+    positions), and a layout mismatch between stages is an error, not a silent misreading. Both conversions
+    only relabel: no communication.
+
+    Args:
+        stream: the residual stream's layout between the parallel regions (``Shard(1)``: the sequence dimension).
+
+    Example::
+
+        if sequence_parallel:
+            layout["model.layers.*"] = sequence_parallel_blocks()   # in a model's tensor_parallel_plan
+    """
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import PrepareModuleInputOutput
+
+    stream = Shard(1) if stream is None else stream
+    return PrepareModuleInputOutput(input_layouts=(stream,), desired_input_layouts=(stream,), use_local_input=True,
+                                    output_layouts=(stream,), desired_output_layouts=(stream,), use_local_output=False)
 
 
 def _replicate_rest(model: torch.nn.Module, mesh: Any) -> None:

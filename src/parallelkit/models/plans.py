@@ -29,6 +29,12 @@ function                     returns                                            
 ``parameter_server_tables``  ``(model, optimizer) -> {module path: TableSpec}``                ps
 ===========================  ===============================================================  ==================
 
+A model whose output layer reuses its input embedding (tied weights) needs nothing more for tensor parallelism (its
+plan wraps the two styles with :func:`~parallelkit.distributed.tied_weights.tie_parallel_styles`); its
+``pipeline_stages`` gives the first and the last stage each a copy of the weight and names it in the stage module's
+``tied_weights`` attribute (``{"embedding": "tok_emb.weight"}``), which
+:func:`~parallelkit.distributed.tied_weights.apply_tied_embedding_sync` reads.
+
 A missing plan is a :class:`~parallelkit.errors.ConfigError` that names the function, its signature and the
 three places it may live, before any process starts.
 """

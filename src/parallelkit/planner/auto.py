@@ -13,7 +13,7 @@ from typing import Any
 
 from parallelkit.distributed.parallel_dims import DEFAULT_MESH_ORDER, DP, PP, SHARDING, TP, ParallelDims
 from parallelkit.planner.hardware import Hardware, host_memory_per_rank, load_profile, resolve_hardware
-from parallelkit.planner.layout import Layout
+from parallelkit.planner.layout import MULTI_STAGE, Layout
 from parallelkit.planner.layout import crosses_nodes as _crosses_nodes
 from parallelkit.planner.report import format_ranking
 from parallelkit.planner.search import AutoPlan, SearchOptions, degree_sets, evaluate, search
@@ -29,10 +29,9 @@ def layouts(world_size: int) -> list[dict[str, int]]:
     return [{DP: dp, SHARDING: sh, TP: tp, PP: pp} for dp, sh, tp, pp, _ in degree_sets(world_size)]
 
 
-def crosses_nodes(dims: Any, axis: str, devices_per_node: int) -> bool:
-    """Whether some group of ``axis`` of ``dims`` (a :class:`ParallelDims`) spans two nodes."""
-    layout = Layout(dims.dp, dims.sharding, dims.tp, dims.pp, dims.ep, mesh_order=tuple(dims.mesh_order))
-    return _crosses_nodes(layout, axis, devices_per_node)
+def crosses_nodes(dims: ParallelDims, axis: str, devices_per_node: int) -> bool:
+    """Whether some group of ``axis`` of ``dims`` spans two nodes."""
+    return _crosses_nodes(dims, axis, devices_per_node)
 
 
 def search_options(cfg: Any, strategy_kwargs: dict[str, Any], *, max_microbatches: int | None = None,
@@ -40,6 +39,7 @@ def search_options(cfg: Any, strategy_kwargs: dict[str, Any], *, max_microbatche
                    allow_ep_across_nodes: bool = False) -> SearchOptions:
     """The search space ``strategy=auto`` may explore for this run (hybrid4d's options fixed by the config)."""
     clip = cfg.trainer.get("gradient_clip_val")
+    sequence_parallel = strategy_kwargs.get("sequence_parallel")
     return SearchOptions(
         schedule=strategy_kwargs.get("schedule", "1f1b"), virtual_stages=strategy_kwargs.get("virtual_stages"),
         max_microbatches=max_microbatches, search_accumulate=search_accumulate,
@@ -47,14 +47,13 @@ def search_options(cfg: Any, strategy_kwargs: dict[str, Any], *, max_microbatche
         reshard_after_forward=strategy_kwargs.get("reshard_after_forward"),
         allow_tp_across_nodes=allow_tp_across_nodes, allow_ep_across_nodes=allow_ep_across_nodes,
         norm_clipping=bool(clip) and (cfg.trainer.get("gradient_clip_algorithm") or "norm") == "norm",
+        sequence_parallel=None if sequence_parallel is None else bool(sequence_parallel),
     )
 
 
-def workload_of(cfg: Any, strategy_kwargs: dict[str, Any] | None = None, datamodule: Any = None) -> Workload:
+def workload_of(cfg: Any, datamodule: Any = None) -> Workload:
     """The run's :class:`Workload` (parallelkit's runtime: dp averaged after backward, FSDP2 overlapped)."""
-    kwargs = strategy_kwargs or {}
-    return workload_from_config(cfg, datamodule=datamodule, sequence_parallel=bool(kwargs.get("sequence_parallel", False)),
-                                runtime=Runtime())
+    return workload_from_config(cfg, datamodule=datamodule, runtime=Runtime())
 
 
 def choose_layout(cfg: Any, world_size: int, hardware: Hardware, *, max_microbatches: int | None = None,
@@ -67,7 +66,8 @@ def choose_layout(cfg: Any, world_size: int, hardware: Hardware, *, max_microbat
         world_size: ranks of the job.
         hardware: the machine (:class:`Hardware`; :func:`resolve_hardware` builds one from ``strategy.hardware``).
         max_microbatches: upper bound on pipeline micro-batches (None: any divisor of the per-rank batch).
-        strategy_kwargs: hybrid4d's options for the chosen layout (schedule, mesh_order, sequence_parallel, ...).
+        strategy_kwargs: hybrid4d's options for the chosen layout (schedule, mesh_order, ...); ``sequence_parallel``
+            fixes it (absent: the search tries both; ``plan.chosen.layout.sequence_parallel`` says which it chose).
         datamodule: the run's data module if already built (else only built if the vocabulary needs it).
         search_accumulate: let the planner choose gradient accumulation (pp = 1).
         allow_tp_across_nodes / allow_ep_across_nodes: let tp / ep groups span nodes.
@@ -76,7 +76,7 @@ def choose_layout(cfg: Any, world_size: int, hardware: Hardware, *, max_microbat
         The :class:`AutoPlan`; ``plan.chosen`` is the best layout. Raises :class:`ConfigError` if none fits.
     """
     kwargs = dict(strategy_kwargs or {})
-    workload = workload_of(cfg, kwargs, datamodule)
+    workload = workload_of(cfg, datamodule)
     opts = search_options(cfg, kwargs, max_microbatches=max_microbatches, search_accumulate=search_accumulate,
                           allow_tp_across_nodes=allow_tp_across_nodes, allow_ep_across_nodes=allow_ep_across_nodes)
     return search(workload, hardware, world_size, opts)
@@ -97,21 +97,21 @@ def auto_plan_from_config(cfg: Any) -> AutoPlan:
                          allow_ep_across_nodes=bool(strategy.get("allow_ep_across_nodes", False)))
 
 
-def estimate_fixed_layout(cfg: Any, hardware_spec: str) -> str:
-    """The cost model's estimate of the layout a fixed ``strategy=hybrid4d`` config trains with."""
+def estimate_fixed_layout(cfg: Any, hardware_spec: str, dims: ParallelDims) -> str:
+    """The cost model's estimate of the layout a fixed strategy trains with: ``dims`` as the strategy resolved them
+    (its :class:`ParallelDims`, e.g. the dry run's), the batch cut and options from ``cfg.strategy``."""
     hw = load_profile(hardware_spec)
     s = cfg.strategy
-    world = (cfg.trainer.get("devices") or 2) * (cfg.trainer.get("num_nodes") or 1)
-    dims = ParallelDims.from_degrees(world, dp=s.get("dp", -1), sharding=s.get("sharding", 1), tp=s.get("tp", 1),
-                                     pp=s.get("pp", 1), ep=s.get("ep", 1))
-    w = workload_of(cfg, dict(s))
+    w = workload_of(cfg)
     batch = w.global_batch // dims.data_parallel_size
     m = s.get("microbatches", 1) if dims.pp > 1 else 1
     accumulate = cfg.trainer.get("accumulate_grad_batches", 1) if dims.pp == 1 else 1
-    layout = Layout(dims.dp, dims.sharding, dims.tp, dims.pp, dims.ep, zero_stage=3 if dims.sharding > 1 else 0,
-                    micro_batch=batch // (m * accumulate), microbatches=m, accumulate=accumulate,
-                    schedule=s.get("schedule", "1f1b"), virtual_stages=s.get("virtual_stages") or (2 if s.get("schedule") in ("interleaved_1f1b", "zero_bubble", "zbv") and dims.pp > 1 else 1),
-                    reshard_after_forward=dims.pp == 1 if s.get("reshard_after_forward") is None else bool(s.get("reshard_after_forward")))
+    schedule = s.get("schedule", "1f1b")
+    layout = Layout(dims, zero_stage=3 if dims.sharding > 1 else 0, micro_batch=batch // (m * accumulate), microbatches=m,
+                    accumulate=accumulate, schedule=schedule,
+                    virtual_stages=s.get("virtual_stages") or (2 if schedule in MULTI_STAGE and dims.pp > 1 else 1),
+                    reshard_after_forward=dims.pp == 1 if s.get("reshard_after_forward") is None else bool(s.get("reshard_after_forward")),
+                    sequence_parallel=bool(s.get("sequence_parallel", False)) and dims.tp > 1)
     candidate = evaluate(w, hw, layout)
-    text = format_ranking(AutoPlan(world, hw, w, [candidate]), top=1)
+    text = format_ranking(AutoPlan(dims.world_size, hw, w, [candidate]), top=1)
     return text.replace("strategy=auto:", "the cost model's estimate of this layout:", 1).replace("chosen: ", "estimate: ")

@@ -7,16 +7,23 @@
   ``recompute=full`` runs each layer's forward again before its backward (its tp collectives too);
   ``selective`` the attention core (dense attention; fused attention recomputes nothing extra). The last stage
   adds the output layer and the loss, the first the embedding.
-- **tensor parallel**: 2 all-reduces forward and 2 backward per layer on the activations (sequence parallel:
-  reduce-scatter + all-gather, the same bytes), exposed (DTensor runs them in line); the vocabulary-parallel
-  embedding and loss add one all-reduce of the activations and three small ones of the logits' statistics.
+- **tensor parallel**: 2 all-reduces forward and 2 backward per layer on the activations (sequence parallel: each
+  a reduce-scatter + an all-gather, the same bytes on NCCL, timed as the profile times those two operations),
+  exposed (DTensor runs them in line); the vocabulary-parallel embedding and loss add one
+  all-reduce of the activations and three small ones of the logits' statistics. **Sequence parallel** also runs the
+  norms, residual adds and dropouts on a ``1/tp`` shard of the sequence (their memory-bound time ÷ tp), and once per
+  step sums the partial gradients of the parameters tensor parallelism leaves whole (norms, row-parallel biases)
+  over ``tp`` (Megatron-LM's ``_allreduce_layernorm_grads``; parallelkit's ``TensorParallel.sync``).
 - **expert parallel**: dispatch and combine all-to-alls, forward and backward, ``top_k`` copies of each token.
 - **pipeline**: ``m·T_max + (p − 1)/v·T_avg`` for per-micro-batch stage times ``T`` (Narayanan et al. 2021,
   §2.2: bubble ``(p − 1)/m``, interleaved ``(p − 1)/(v·m)``); zero-bubble schedules a third of that bubble
   (ZB-H1, Qi et al. 2023, with equal F, B, W times); point-to-point sends of ``b·s·h`` activations per stage
-  boundary and direction (``/tp`` with scatter/gather), on the critical path — with ``Runtime.async_p2p`` (Llama 3
+  boundary and direction at the run's activation precision (``/tp`` with scatter/gather or sequence parallel), on
+  the critical path — with ``Runtime.async_p2p`` (Llama 3
   §3.3.2) only the pipeline's fill and drain wait on them (the bubble keeps them); in the steady state they run
-  behind the compute, exposed as the overlapped collectives below.
+  behind the compute, exposed as the overlapped collectives below. **Tied embeddings** under a pipeline: the first
+  and the last stage each hold the embedding and sum its gradient once per step, after the pipeline's last backward
+  (Megatron's embedding group: one all-reduce of ``V·h/tp`` gradients between two ranks).
 - **data parallel** gradient all-reduce once per step (in 25 MiB buckets); **sharding** (ZeRO-3 / FSDP2)
   all-gathers per micro-step (forward, and backward again when resharding after forward, but the root unit once) and reduce-scatters (per
   micro-step without a pipeline, once after the last micro-batch with one), one collective per unit (each block and
@@ -101,13 +108,13 @@ class CostModel:
         self._heads: dict[tuple, tuple[float, float, float]] = {}
 
     # ---------------------------------------------------------------- one layer
-    def layer(self, b: int, tp: int, ep: int, moe: bool, tp_cross: bool, ep_cross: bool) -> LayerTimes:
-        key = (b, tp, ep, moe, tp_cross, ep_cross)
+    def layer(self, b: int, tp: int, ep: int, moe: bool, tp_cross: bool, ep_cross: bool, sp: bool = False) -> LayerTimes:
+        key = (b, tp, ep, moe, tp_cross, ep_cross, sp)
         if key not in self._layers:
             self._layers[key] = self._layer(*key)
         return self._layers[key]
 
-    def _layer(self, b: int, tp: int, ep: int, moe: bool, tp_cross: bool, ep_cross: bool) -> LayerTimes:
+    def _layer(self, b: int, tp: int, ep: int, moe: bool, tp_cross: bool, ep_cross: bool, sp: bool) -> LayerTimes:
         w, hw, shape = self.w, self.hw, self.w.shape
         e, dtype, s = w.precision.activation, w.precision.compute, w.seq_len
         h, a, kv, d, f = shape.hidden, shape.heads, shape.kv_heads, shape.head_dim, shape.ffn
@@ -132,12 +139,13 @@ class CostModel:
         # Memory-bound work of the forward, bytes read + written: 2 norms, 2 residual adds, the activation
         # function, attention softmax (dense) or nothing extra (fused), dropout where there is dropout.
         sbh = rows * h
-        mem = 2 * 2 * e * sbh + 2 * 3 * e * sbh
+        replicated = 2 * 2 * e * sbh + 2 * 3 * e * sbh + (2 * 3 * e * sbh if shape.dropout else 0)
+        # Sequence parallelism runs the norms, residual adds and dropouts on a 1/tp shard of the sequence (Korthikanti
+        # et al. 2022, §4.2.2): their bytes ÷ tp. Without it every tp rank runs them on the whole sequence.
+        mem = replicated / (tp if sp else 1)
         mem += (3 if shape.gated else 2) * e * mlp_rows * ffn_width
         if w.attention == "dense":
             mem += 2 * e * s * s * b * a / tp * (2 if shape.dropout else 1)
-        if shape.dropout:
-            mem += 2 * 3 * e * sbh
         if shape.family.startswith("hf:") and shape.gated:  # rotary embeddings on q and k
             mem += 2 * e * rows * (a + kv) * d / tp
         kernels = 14 + (2 * shape.experts / max(ep, 1) if moe else 0)
@@ -146,7 +154,10 @@ class CostModel:
         backward = 2 * (proj + core + mlp) + 2 * elementwise
         # Tensor parallel: 2 all-reduces of the activations forward, 2 backward (exposed).
         act = e * sbh
-        tp_one = hw.collective_time("all_reduce", act, tp, tp_cross) if tp > 1 else 0.0
+        if tp > 1 and sp:  # each all-reduce becomes a reduce-scatter + an all-gather (the same bytes on NCCL's ring)
+            tp_one = hw.collective_time("reduce_scatter", act, tp, tp_cross) + hw.collective_time("all_gather", act, tp, tp_cross)
+        else:
+            tp_one = hw.collective_time("all_reduce", act, tp, tp_cross) if tp > 1 else 0.0
         tp_bytes = 4 * act * 2 * (tp - 1) / tp if tp > 1 else 0.0
         ep_one = hw.collective_time("all_to_all", act * shape.top_k, ep, ep_cross) if (moe and ep > 1) else 0.0
         ep_bytes = 4 * act * shape.top_k * (ep - 1) / ep if (moe and ep > 1) else 0.0
@@ -183,7 +194,7 @@ class CostModel:
         """The step time of ``layout`` (``stages`` and ``memory``: the representative pipeline ranks)."""
         w, hw, shape = self.w, self.hw, self.w.shape
         n = hw.devices_per_node
-        cross = {axis: crosses_nodes(layout, axis, n) for axis in COMM_AXES}
+        cross = {axis: crosses_nodes(layout.dims, axis, n) for axis in COMM_AXES}
         b, m, tp, ep = layout.micro_batch, layout.micro_steps, layout.tp, layout.ep
         v = layout.virtual_stages if layout.pp > 1 else 1
         out = StepTime(crosses=cross, comm=dict.fromkeys(COMM_AXES, 0.0), comm_bytes=dict.fromkeys(COMM_AXES, 0.0))
@@ -196,7 +207,7 @@ class CostModel:
             sent = dict.fromkeys(COMM_AXES, 0.0)
             for count, is_moe in ((len(layers) - n_moe, False), (n_moe, True)):
                 if count:
-                    lt = self.layer(b, tp, ep, is_moe, cross[TP], cross[EP])
+                    lt = self.layer(b, tp, ep, is_moe, cross[TP], cross[EP], layout.sequence_parallel)
                     c += count * (lt.total - lt.comm_tp - lt.comm_ep)
                     r += count * lt.recompute
                     fl += count * lt.flops
@@ -213,7 +224,9 @@ class CostModel:
                 c, fl, comm[TP] = c + ht - hcomm, fl + hfl, comm[TP] + hcomm
                 sent[TP] += 3 * 2 * 4 * b * w.seq_len * (tp - 1) / tp if tp > 1 else 0.0
             if layout.pp > 1:
-                msg = act / (tp if w.runtime.p2p_scatter_gather else 1)
+                # The stage output at the activation precision (bf16/fp16 under mixed precision); a sequence shard
+                # under sequence parallelism, as with Megatron's scatter/gather: 1/tp of it per tp rank.
+                msg = act / (tp if w.runtime.p2p_scatter_gather or layout.sequence_parallel else 1)
                 comm[PP] = stages.sends[i] * hw.collective_time("p2p", msg, 2, cross[PP])
                 sent[PP] = stages.sends[i] * msg
             per_mb.append(c + sum(comm.values()))
@@ -253,9 +266,20 @@ class CostModel:
         exposed_dp = _exposed(dp_time, backward_window, units) if w.runtime.overlap_dp else dp_time
         exposed_sh = _exposed(sh_time, m * t_max, units) if w.runtime.overlap_sharding else sh_time
         out.comm[DP], out.comm[SHARDING] = exposed_dp, exposed_sh
+        # Once per step, after the last backward and before the optimizer (not overlapped): sequence parallel's
+        # partial gradients over tp, tied embeddings' gradient between the first and the last stage.
+        finalize = dict.fromkeys((TP, PP), 0.0)
+        for i in range(len(memory)):
+            times, sent = self._finalize_grads(layout, stages, i, cross)
+            for axis in (TP, PP):
+                finalize[axis] = max(finalize[axis], times[axis])
+                out.comm_bytes_by_rank[i][axis] += sent[axis]
+        for axis in (TP, PP):
+            out.comm[axis] += finalize[axis]
+            out.comm_bytes[axis] = max(r[axis] for r in out.comm_bytes_by_rank)
         out.optimizer = max(self._optimizer(mem) for mem in memory) + hw.step_overhead
         out.dispatch = max(self._dispatch(layout, layers, mem) for layers, mem in zip(stages.layers, memory))
-        critical = pipeline + exposed_dp + exposed_sh + out.optimizer + out.dispatch
+        critical = pipeline + exposed_dp + exposed_sh + finalize[TP] + finalize[PP] + out.optimizer + out.dispatch
         if hw.units_per_node < n:  # ranks share compute units: the node's busy time, spread over its units
             ranks_per_node = min(n, layout.world)
             mean_compute = sum(c * k for c, k in zip(compute_only, weights)) / total_weight
@@ -302,6 +326,31 @@ class CostModel:
             dp_time += hw.collective_time("all_reduce", experts * p.grad, g, cross[DP])
             sent[DP] += 2 * experts * p.grad * (g - 1) / g
         return dp_time, sh_time, sent
+
+    def _finalize_grads(self, layout: Layout, stages: Stages, i: int, cross: dict[str, bool]) -> tuple[dict[str, float], dict[str, float]]:
+        """Seconds and bytes of representative rank ``i``'s once-per-step gradient sums outside data parallelism."""
+        hw, shape, grad = self.hw, self.w.shape, self.w.precision.grad
+        times, sent = dict.fromkeys((TP, PP), 0.0), dict.fromkeys((TP, PP), 0.0)
+        tp = layout.tp
+        # Both run on the gradients in their parameters' layout: a rank's shard once ZeRO ≥ 2 has reduce-scattered.
+        shards = layout.sharding if layout.sharding > 1 and layout.zero_stage >= 2 else 1
+        if layout.sequence_parallel:
+            # Parameters tensor parallelism leaves whole (norms, row-parallel biases) see only this rank's sequence
+            # shard: their gradients are partial sums, added over tp in one fused all-reduce per step.
+            n_moe = sum(1 for layer in stages.layers[i] if shape.is_moe(layer)) if shape.moe_layer_ids else 0
+            whole = (len(stages.layers[i]) - n_moe) * shape.dense_layer_replicated + n_moe * shape.moe_layer_replicated
+            whole += shape.last_extra if stages.last[i] else 0
+            whole /= shards
+            times[TP] = hw.collective_time("all_reduce", whole * grad, tp, cross[TP])
+            sent[TP] = 2 * whole * grad * (tp - 1) / tp
+        if shape.tied and layout.pp > 1 and stages.first[i] != stages.last[i]:
+            # Tied embeddings under a pipeline: the first stage's embedding and the last stage's copy (memory.py) sum
+            # their gradients once per step — Megatron's embedding group, two ranks of the pp group. (Under tp alone
+            # nothing extra: one vocabulary-split weight serves the lookup and the output layer on the same rank.)
+            embedding = shape.embed_params / tp / shards * grad
+            times[PP] = hw.collective_time("all_reduce", embedding, 2, cross[PP])
+            sent[PP] = embedding  # ring all-reduce over two ranks: 2·(2 − 1)/2 = 1× the buffer
+        return times, sent
 
     def _dispatch(self, layout: Layout, layers: list[int], mem: RankMemory) -> float:
         """Host seconds of the DTensor operations of tensor parallelism and FSDP2 (see the module docstring)."""

@@ -12,8 +12,9 @@ training:
   3 / FSDP2: + params);
 - estimated bytes each rank sends per optimizer step, per axis (ring convention, as ``CommStats`` counts):
   dp/sharding gradient all-reduce or reduce-scatter + parameter all-gather, TP Megatron ``8·b·s·h·(t−1)/t``
-  elements per layer, PP ``b·s·h`` activations (forward) and gradients (backward) per stage boundary, EP
-  dispatch + combine all-to-alls.
+  elements per layer, PP ``b·s·h`` activations (forward) and gradients (backward) per stage boundary (``/tp``
+  under sequence parallelism: the stage output is a sequence shard) and, for a weight the first and the last
+  stage both hold (tied embeddings), the all-reduce of its gradient between them; EP dispatch + combine all-to-alls.
 
 Unlike the cost model it reads the real model (its plans, on the meta device), so it needs torch; the command
 line is :mod:`parallelkit.tools.plan`, the rank-grid drawing :mod:`parallelkit.planner.plot`.
@@ -169,8 +170,11 @@ def rank_comm_bytes(dims, coords, local_bytes, options, expert_bytes: int = 0, r
         comm[DP] = 2 * (n - expert_bytes) * (dp - 1) / dp + 2 * expert_bytes * (g - 1) / g
     layers = options["layers_per_pp_rank"][coords[PP]]
     comm[TP] = 8 * b * seq * h * (t - 1) / t * elem * layers
+    shard = t if options.get("sequence_parallel") else 1  # sequence parallel: each tp rank sends its sequence shard
     for sid in options["stage_ids"][coords[PP]]:
-        comm[PP] += b * seq * h * elem * ((sid < options["num_stages"] - 1) + (sid > 0))
+        comm[PP] += b * seq * h * elem / shard * ((sid < options["num_stages"] - 1) + (sid > 0))
+    shared = options.get("shared_stage_bytes", {}).get(coords[PP], 0)  # 2-rank all-reduce: 1× the gradient, as held
+    comm[PP] += shared / (s if stage >= 2 else 1)
     if dims.ep > 1:  # dispatch + combine, forward and backward, top_k copies of each token
         comm[EP] = 4 * b * seq * h * elem * cfg["top_k"] * (dims.ep - 1) / dims.ep * options["moe_layers_per_pp_rank"][coords[PP]]
     return {axis: int(v) for axis, v in comm.items()}
@@ -217,7 +221,34 @@ def plan_options(model: torch.nn.Module, dims: ParallelDims, *, shape: dict[str,
         cache[key] = (stage_names, stage_ids, layers, moe_layers)
     (options["stage_names"], options["stage_ids"], options["layers_per_pp_rank"],
      options["moe_layers_per_pp_rank"]) = cache[key]
+    options["sequence_parallel"] = bool(sequence_parallel) and dims.tp > 1
+    options["shared_stage_bytes"] = shared_stage_bytes(model, options) if dims.pp > 1 else {}
     return options
+
+
+def shared_stage_bytes(model: torch.nn.Module, options: dict[str, Any]) -> dict[int, float]:
+    """Pipeline rank → gradient bytes it all-reduces with another stage per step: the parameters the ranks holding the
+    first and the last stage both keep (tied input and output embeddings: Megatron's embedding group)."""
+    holder = {sid: r for r, ids in options["stage_ids"].items() for sid in ids}
+    first, last = holder[0], holder[options["num_stages"] - 1]
+    if first == last:
+        return {}
+    shared = options["stage_names"][first] & options["stage_names"][last]
+    split = options["tp_split"]
+    size = sum(p.numel() * p.element_size() / split.get(name, 1) for name, p in model.named_parameters() if name in shared)
+    return {first: size, last: size} if size else {}
+
+
+def strategy_options(strategy: Any, dims: ParallelDims) -> dict[str, Any]:
+    """The options of the composition a strategy runs (its ``ParallelOptions``), or a strategy's own attributes
+    (``deepspeed``), or the defaults."""
+    opts = getattr(strategy, "options", None)
+    if opts is not None:
+        return dict(zero_stage=opts.zero_stage, reshard_after_forward=opts.reshard(dims.pp), schedule=opts.schedule, virtual_stages=opts.virtual_stages,
+                    split=list(opts.split) if opts.split else None, sequence_parallel=opts.sequence_parallel)
+    return dict(zero_stage=getattr(strategy, "stage", 3), reshard_after_forward=getattr(strategy, "reshard_after_forward", True),
+                schedule=getattr(strategy, "schedule", "1f1b"), virtual_stages=getattr(strategy, "virtual_stages", 1) or 1,
+                split=getattr(strategy, "split", None), sequence_parallel=getattr(strategy, "sequence_parallel", False))
 
 
 def build_plan(overrides: list[str]) -> Plan:
@@ -234,11 +265,8 @@ def build_plan(overrides: list[str]) -> Plan:
     batch = datamodule.plan
     options = plan_options(
         model, dims, shape=model_shape(model, datamodule), rank_batch=batch.global_batch_size // dims.data_parallel_size,
-        slots=optimizer_slots(cfg.optim.optimizer._target_), zero_stage=getattr(strategy, "stage", 3),
-        reshard_after_forward=getattr(strategy, "reshard_after_forward", True),
-        schedule=getattr(strategy, "schedule", "1f1b"), virtual_stages=getattr(strategy, "virtual_stages", 1) or 1,
-        split=getattr(strategy, "split", None), sequence_parallel=getattr(strategy, "sequence_parallel", False),
-        plan_source=getattr(strategy, "plan_source", None),
+        slots=optimizer_slots(cfg.optim.optimizer._target_), plan_source=getattr(strategy, "plan_source", None),
+        **strategy_options(strategy, dims),
     )
     groups = mesh_groups(dims)
     plan = Plan(strategy.strategy_name, dims,

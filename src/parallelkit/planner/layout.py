@@ -1,4 +1,8 @@
-"""One candidate layout: the degrees, the ZeRO stage, how the per-rank batch is cut, the pipeline schedule.
+"""One candidate layout: its :class:`ParallelDims`, the ZeRO stage, how the per-rank batch is cut, the pipeline schedule.
+
+The degrees live in one place, the layout's ``dims`` (:class:`~parallelkit.distributed.parallel_dims.ParallelDims`,
+which validates them for every strategy); the layout adds only what is not a degree. ``layout.tp`` and the like read
+``dims``.
 
 And the pipeline geometry every estimate shares: which layers, which (virtual) stages and how many
 micro-batches in flight each pipeline rank has. Stage placement follows parallelkit's pipeline
@@ -15,7 +19,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from parallelkit.distributed.parallel_dims import DEFAULT_MESH_ORDER, DP, EP, PP, SHARDING, TP
+from parallelkit.distributed.parallel_dims import DP, EP, PP, SHARDING, TP, ParallelDims
 
 AXES = (DP, SHARDING, TP, PP, EP)
 MULTI_STAGE = ("interleaved_1f1b", "zero_bubble", "zbv")
@@ -24,29 +28,31 @@ SCHEDULES = ("gpipe", "1f1b", *MULTI_STAGE)
 
 @dataclass(frozen=True)
 class Layout:
-    """Degrees and batch cut of one candidate.
+    """One candidate: its degrees (``dims``) and everything else that decides its memory and time.
 
     Args:
-        dp / sharding / tp / pp / ep: the degrees (``ep`` spreads experts over ``ep`` data-parallel ranks).
+        dims: the degrees ``dp × sharding × tp × pp`` (``ep`` spreads experts over ``ep`` data-parallel ranks) and
+            the mesh order, validated by :class:`ParallelDims` — the only carrier of degrees.
         zero_stage: what ``sharding`` shards (1 optimizer state, 2 + gradients, 3 + parameters; hybrid4d's FSDP2 is 3).
         micro_batch: sequences per micro-batch.
         microbatches: micro-batches per pipeline pass (``pp > 1``).
         accumulate: micro-steps per optimizer step without a pipeline (gradient accumulation).
         schedule / virtual_stages: the pipeline schedule and stages per rank.
         reshard_after_forward: ZeRO-3 frees gathered parameters after each forward (gathers again for backward).
-        mesh_order: outermost → innermost axes (an axis's groups are ``degree`` ranks ``stride`` apart).
+        sequence_parallel: tensor parallelism also splits the norm / dropout regions along the sequence
+            (Korthikanti et al. 2022); needs ``tp > 1``.
         embedding_and_loss_as_layers: the pipeline split counts the embedding and the output layer + loss as one
             block each (see the module docstring).
         microbatch_group: interleaved schedules run ``N`` consecutive micro-batches per stage before switching
             stage (Megatron's ``microbatch_group_size_per_vp_stage``, Llama 3's tunable ``N``); 0: ``N = pp``
             (Narayanan et al. 2021's depth-first order, the fewest micro-batches in flight Megatron allows).
+
+    Example::
+
+        Layout(ParallelDims(16, dp=2, tp=4, pp=2), micro_batch=2, microbatches=8, sequence_parallel=True)
     """
 
-    dp: int
-    sharding: int
-    tp: int
-    pp: int
-    ep: int = 1
+    dims: ParallelDims
     zero_stage: int = 0
     micro_batch: int = 1
     microbatches: int = 1
@@ -54,53 +60,87 @@ class Layout:
     schedule: str = "1f1b"
     virtual_stages: int = 1
     reshard_after_forward: bool = True
-    mesh_order: tuple[str, ...] = DEFAULT_MESH_ORDER
+    sequence_parallel: bool = False
     embedding_and_loss_as_layers: bool = False
     microbatch_group: int = 0
 
+    def __post_init__(self) -> None:
+        if not isinstance(self.dims, ParallelDims):
+            raise TypeError(f"Layout.dims must be a ParallelDims, got {type(self.dims).__name__}")
+        if self.dims.world_size is None:  # a strategy's request, before the world size is known
+            raise ValueError("Layout.dims must be resolved degrees (ParallelDims for a world size), not a request")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"schedule {self.schedule!r} is not one of {', '.join(SCHEDULES)}")
+        if self.sequence_parallel and self.dims.tp == 1:
+            raise ValueError("sequence_parallel splits the tensor-parallel regions along the sequence: it needs tp > 1")
+
+    # ------------------------------------------------------------------ the degrees, read from dims
+    @property
+    def dp(self) -> int:
+        return self.dims.dp
+
+    @property
+    def sharding(self) -> int:
+        return self.dims.sharding
+
+    @property
+    def tp(self) -> int:
+        return self.dims.tp
+
+    @property
+    def pp(self) -> int:
+        return self.dims.pp
+
+    @property
+    def ep(self) -> int:
+        return self.dims.ep
+
+    @property
+    def mesh_order(self) -> tuple[str, ...]:
+        return self.dims.mesh_order
+
     @property
     def degrees(self) -> dict[str, int]:
-        return {DP: self.dp, SHARDING: self.sharding, TP: self.tp, PP: self.pp}
+        """``dp, sharding, tp, pp`` (:attr:`ParallelDims.degrees`)."""
+        return self.dims.degrees
 
     @property
     def world(self) -> int:
-        return self.dp * self.sharding * self.tp * self.pp
+        return self.dims.world_size
 
     @property
     def label(self) -> str:
         text = f"dp={self.dp} sharding={self.sharding} tp={self.tp} pp={self.pp}"
-        return text + (f" ep={self.ep}" if self.ep > 1 else "")
+        return text + (f" ep={self.ep}" if self.ep > 1 else "") + (" sequence_parallel" if self.sequence_parallel else "")
 
     @property
     def micro_steps(self) -> int:
         """Micro-batches a rank runs per optimizer step."""
         return self.microbatches if self.pp > 1 else self.accumulate
 
-    def degree(self, axis: str) -> int:
-        return {**self.degrees, EP: self.ep}[axis]
-
     def as_dict(self) -> dict[str, Any]:
-        return {**self.degrees, EP: self.ep, "zero_stage": self.zero_stage, "micro_batch": self.micro_batch,
-                "microbatches": self.microbatches, "accumulate": self.accumulate, "schedule": self.schedule,
-                "virtual_stages": self.virtual_stages, "reshard_after_forward": self.reshard_after_forward,
+        return {**self.dims.as_dict(), "mesh_order": list(self.dims.mesh_order), "zero_stage": self.zero_stage,
+                "micro_batch": self.micro_batch, "microbatches": self.microbatches, "accumulate": self.accumulate,
+                "schedule": self.schedule, "virtual_stages": self.virtual_stages,
+                "reshard_after_forward": self.reshard_after_forward, "sequence_parallel": self.sequence_parallel,
                 "embedding_and_loss_as_layers": self.embedding_and_loss_as_layers, "microbatch_group": self.microbatch_group}
 
 
-def crosses_nodes(layout: Layout, axis: str, devices_per_node: int) -> bool:
+def crosses_nodes(dims: ParallelDims, axis: str, devices_per_node: int) -> bool:
     """Whether some group of ``axis`` spans two nodes: with ``mesh_order`` outermost → innermost, a group is
     ``degree`` ranks ``stride`` apart (stride = the product of the degrees inside it); it stays in a node iff
     ``stride · degree`` divides ``devices_per_node``. ``ep`` groups are consecutive data-parallel ranks."""
+    order = list(dims.mesh_order)
     if axis == EP:
-        if layout.ep == 1:
+        if dims.ep == 1:
             return False
         # Consecutive data-parallel ranks (dp just outside sharding) are `stride` ranks apart: a group spans stride·ep.
-        stride = math.prod(layout.degree(a) for a in layout.mesh_order[layout.mesh_order.index(SHARDING) + 1:])
-        return devices_per_node % (stride * layout.ep) != 0
-    degree = layout.degree(axis)
+        stride = math.prod(getattr(dims, a) for a in order[order.index(SHARDING) + 1:])
+        return devices_per_node % (stride * dims.ep) != 0
+    degree = getattr(dims, axis)
     if degree == 1:
         return False
-    order = list(layout.mesh_order)
-    stride = math.prod(layout.degree(a) for a in order[order.index(axis) + 1:])
+    stride = math.prod(getattr(dims, a) for a in order[order.index(axis) + 1:])
     return devices_per_node % (stride * degree) != 0
 
 

@@ -34,7 +34,8 @@ from parallelkit.planner.shapes import ModelShape
 from parallelkit.planner.workload import Workload
 
 
-def layer_activation_bytes(w: Workload, micro_batch: int, tp: int, *, moe: bool = False, recompute: str | None = None) -> float:
+def layer_activation_bytes(w: Workload, micro_batch: int, tp: int, *, moe: bool = False, recompute: str | None = None,
+                           sequence_parallel: bool = False) -> float:
     """Bytes one layer saves for backward for one micro-batch (see the module docstring)."""
     shape, s, b = w.shape, w.seq_len, micro_batch
     recompute = w.recompute if recompute is None else recompute
@@ -42,7 +43,7 @@ def layer_activation_bytes(w: Workload, micro_batch: int, tp: int, *, moe: bool 
     h, a, d = shape.hidden, shape.heads, shape.head_dim
     if h == 0:
         return 0.0
-    sp = w.sequence_parallel
+    sp = sequence_parallel
     sbh = s * b * h
     mask = 1 if shape.dropout else 0  # dropout masks: one byte per element
     # Stored whole on every tp rank unless sequence parallel splits them: the two norm inputs, the attention and
@@ -65,9 +66,11 @@ def layer_activation_bytes(w: Workload, micro_batch: int, tp: int, *, moe: bool 
     return replicated + attention + mlp
 
 
-def layer_input_bytes(w: Workload, micro_batch: int, tp: int) -> float:
-    """What full recompute keeps per layer and micro-batch: the layer's input."""
-    return w.precision.activation * w.seq_len * micro_batch * w.shape.hidden / (tp if w.sequence_parallel else 1)
+def layer_input_bytes(w: Workload, micro_batch: int, tp: int, sequence_parallel: bool = False) -> float:
+    """What full recompute keeps per layer and micro-batch: the layer's input (a sequence shard under sequence
+    parallelism). Also a pipeline stage's output and the embedding's output: the same tensor between layers, at the
+    run's activation precision (2 bytes under bf16/fp16 mixed precision, 4 under fp32)."""
+    return w.precision.activation * w.seq_len * micro_batch * w.shape.hidden / (tp if sequence_parallel else 1)
 
 
 def logits_bytes(w: Workload, micro_batch: int, tp: int) -> float:
@@ -147,20 +150,21 @@ def rank_memory(w: Workload, layout: Layout, stages: Stages, i: int) -> RankMemo
             gathered = largest * (2 * p.param + p.grad)
     elif z == 2 and layout.micro_steps > 1:  # gradients accumulate unsharded until the step's reduce-scatter
         gathered = dense * p.grad * (1 - 1 / s)
-    b, layers = layout.micro_batch, stages.layers[i]
+    b, layers, sp = layout.micro_batch, stages.layers[i], layout.sequence_parallel
     n_moe = sum(1 for layer in layers if shape.is_moe(layer)) if shape.moe_layer_ids else 0
     kinds = [(len(layers) - n_moe, False), (n_moe, True)]
     if w.recompute == "full":
-        inputs = stages.in_flight_layers[i] * layer_input_bytes(w, b, layout.tp)
-        worst = max((layer_activation_bytes(w, b, layout.tp, moe=moe, recompute="none") for count, moe in kinds if count), default=0.0)
+        inputs = stages.in_flight_layers[i] * layer_input_bytes(w, b, layout.tp, sp)
+        worst = max((layer_activation_bytes(w, b, layout.tp, moe=moe, recompute="none", sequence_parallel=sp) for count, moe in kinds if count),
+                    default=0.0)
         activations = inputs + worst
     else:
-        per_layer = sum(count * layer_activation_bytes(w, b, layout.tp, moe=moe) for count, moe in kinds if count) / max(len(layers), 1)
+        per_layer = sum(count * layer_activation_bytes(w, b, layout.tp, moe=moe, sequence_parallel=sp) for count, moe in kinds if count) / max(len(layers), 1)
         activations = stages.in_flight_layers[i] * per_layer
     if layout.pp > 1 and not w.runtime.deallocate_stage_outputs:  # each in-flight chunk's output, for its backward
-        activations += stages.in_flight_outputs[i] * layer_input_bytes(w, b, layout.tp)
+        activations += stages.in_flight_outputs[i] * layer_input_bytes(w, b, layout.tp, sp)
     if stages.first[i]:  # the embedding's output, kept for every micro-batch in flight
-        activations += stages.in_flight_head[i] * layer_input_bytes(w, b, layout.tp)
+        activations += stages.in_flight_head[i] * layer_input_bytes(w, b, layout.tp, sp)
     logits = stages.in_flight_head[i] * logits_bytes(w, b, layout.tp) if stages.last[i] else 0.0
     units = len(layers) + (1 if stages.first[i] or stages.last[i] else 0)
     return RankMemory(params, grads, master, optimizer, gathered, activations, logits, elements, experts, units, outside)

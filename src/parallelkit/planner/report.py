@@ -13,10 +13,10 @@ TERMS = ("compute", "recompute", "bubble", "comm_dp", "comm_sharding", "comm_tp"
 
 
 def best_per_layout(plan: AutoPlan) -> list[Candidate]:
-    """The best batch cut of every degree set, in ranking order."""
+    """The best batch cut (and sequence parallelism or not) of every degree set, in ranking order."""
     seen, out = set(), []
     for c in plan.candidates:
-        key = (c.layout.dp, c.layout.sharding, c.layout.tp, c.layout.pp, c.layout.ep)
+        key = c.layout.dims
         if key not in seen:
             seen.add(key)
             out.append(c)
@@ -29,9 +29,10 @@ def _ms(seconds: float) -> str:
 
 def _cut(c: Candidate) -> str:
     lay = c.layout
+    sp = " sp" if lay.sequence_parallel else ""
     if lay.pp > 1:
-        return f"{lay.micro_batch}×{lay.microbatches}" + (f" v{lay.virtual_stages}" if lay.virtual_stages > 1 else "")
-    return f"{lay.micro_batch}×{lay.accumulate}a"
+        return f"{lay.micro_batch}×{lay.microbatches}" + (f" v{lay.virtual_stages}" if lay.virtual_stages > 1 else "") + sp
+    return f"{lay.micro_batch}×{lay.accumulate}a{sp}"
 
 
 def deciding_terms(a: Candidate, b: Candidate, top: int = 3) -> str:
@@ -53,7 +54,7 @@ def format_ranking(plan: AutoPlan, top: int = 8) -> str:
         f"({shape.family}, {shape.layers} layers × {shape.hidden}, vocabulary {shape.vocab:,}{', tied' if shape.tied else ''}), "
         f"seq {w.seq_len}, batch {w.global_batch if w.global_batch is not None else str(w.per_rank_batch) + '/rank'}, "
         f"precision {w.precision.name}, recompute={w.recompute}; {gib(hw.usable_memory)} usable per device",
-        " # | dp sh tp pp ep | micro×m | memory/rank (state+gathered+act) | compute | recomp | bubble | comm ms dp / sh / tp / pp / ep (* = across nodes) | optim | total ms | tok/s/dev | note",
+        " # | dp sh tp pp ep | micro×m (sp: seq. parallel) | memory/rank (state+gathered+act) | compute | recomp | bubble | comm ms dp / sh / tp / pp / ep (* = across nodes) | optim | total ms | tok/s/dev | note",
     ]
     for i, c in enumerate(fitting + unfit, 1):
         lay, t = c.layout, c.time
@@ -62,7 +63,7 @@ def format_ranking(plan: AutoPlan, top: int = 8) -> str:
         if t.shared_units_floor:
             note += (" " if note else "") + "(node's shared cores bound it)"
         mem = f"{gib(c.memory['total'])} ({gib(c.memory['state'])}+{gib(c.memory['gathered'])}+{gib(c.memory['activations'] + c.memory['logits'])})"
-        lines.append(f"{i:2d} | {lay.dp:2d} {lay.sharding:2d} {lay.tp:2d} {lay.pp:2d} {lay.ep:2d} | {_cut(c):>7} | {mem:>33} | "
+        lines.append(f"{i:2d} | {lay.dp:2d} {lay.sharding:2d} {lay.tp:2d} {lay.pp:2d} {lay.ep:2d} | {_cut(c):>26} | {mem:>33} | "
                      f"{_ms(t.compute):>7} | {_ms(t.recompute):>6} | {_ms(t.bubble):>6} | {comm} | {_ms(t.optimizer):>5} | "
                      f"{_ms(t.total):>8} | {c.tokens_per_s_per_device:9.4g} | {note}")
     invalid = [c for c in layouts if c.invalid]
@@ -86,7 +87,7 @@ def plan_json(plan: AutoPlan) -> dict[str, Any]:
         "world_size": plan.world_size,
         "workload": {"shape": vars(w.shape), "num_params": w.num_params, "seq_len": w.seq_len, "global_batch": w.global_batch,
                      "per_rank_batch": w.per_rank_batch, "precision": vars(w.precision), "recompute": w.recompute,
-                     "optimizer_slots": w.optimizer_slots, "attention": w.attention, "sequence_parallel": w.sequence_parallel,
+                     "optimizer_slots": w.optimizer_slots, "attention": w.attention,
                      "runtime": vars(w.runtime)},
         "hardware": plan.hardware.as_dict(),
         "chosen": plan.chosen.as_dict(),

@@ -1,12 +1,15 @@
 """The search: every layout of the world size that ``strategy=hybrid4d`` can run, every way to cut its batch, costed.
 
-**Degrees** ``dp × sharding × tp × pp (× ep)`` = world. They are pruned by divisibility before anything is costed
-(:func:`degree_problem`): tp must divide the sizes the model's tensor-parallel plan splits, pp·v ≤ its blocks,
-ep its experts and ``dp × sharding``, ``dp × sharding`` the global batch; and by hybrid4d's refusals (sequence
-parallel with pp or sharding, a pipeline with mixed precision, tp/pp of tied embeddings, tp or ep groups across
-nodes unless allowed). These mirror hybrid4d's own checks, which confirm the choice before training
-(:meth:`parallelkit.strategies.auto.AutoStrategy.resolve`); ``tests/unit/test_planner_search.py`` holds the mirror
-to them layout by layout.
+**Degrees** ``dp × sharding × tp × pp (× ep)`` = world, each a :class:`ParallelDims`. They are pruned before anything
+is costed (:func:`degree_problem`) for what no strategy can change: tp must divide the sizes the model's
+tensor-parallel plan splits (and the sequence, under sequence parallelism), pp ≤ its blocks, ep its experts and
+``dp × sharding``, ``dp × sharding`` the global batch; for what the model cannot do (no tensor-parallel plan, no
+pipeline cut, no sequence parallelism: :class:`~parallelkit.planner.shapes.ModelShape`); and for tp or ep groups
+across nodes unless allowed. hybrid4d's own checks confirm the choice before training
+(:meth:`parallelkit.strategies.auto.AutoStrategy.resolve`).
+
+**Sequence parallelism** (``SearchOptions.sequence_parallel``): fixed by ``strategy.sequence_parallel``, or, unset,
+both ways for every ``tp > 1`` the model allows it (:attr:`Layout.sequence_parallel` says which was chosen).
 
 **Batch cut** (free parameters): without a pipeline, gradient accumulation ``a`` (micro-batch ``B_r / a``); with
 one, the micro-batch count ``m`` (micro-batch ``B_r / m``) as the schedule allows (1F1B: ``m ≥ pp·v``;
@@ -18,10 +21,10 @@ interleaved: whole rounds), and the stages per rank ``v`` for interleaved schedu
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-from parallelkit.distributed.parallel_dims import DEFAULT_MESH_ORDER, EP, TP
+from parallelkit.distributed.parallel_dims import DEFAULT_MESH_ORDER, EP, TP, ParallelDims
 from parallelkit.errors import ConfigError
 from parallelkit.planner.cost_model import CostModel, StepTime
 from parallelkit.planner.hardware import Hardware
@@ -43,8 +46,9 @@ class SearchOptions:
         reshard_after_forward: ZeRO-3 option; None: hybrid4d's default (reshard without a pipeline only).
         allow_tp_across_nodes / allow_ep_across_nodes: let tp / ep groups span nodes.
         norm_clipping: ``trainer.gradient_clip_val`` by norm (hybrid4d refuses it with ep > 1).
-        pipeline_needs_fp32: hybrid4d's pipeline runs ``trainer.precision=32-true`` only.
         zero_stage: what sharding shards (hybrid4d's FSDP2: 3).
+        sequence_parallel: ``strategy.sequence_parallel``; None: searched (both ways for every ``tp > 1`` the model
+            allows it).
     """
 
     schedule: str = "1f1b"
@@ -56,14 +60,16 @@ class SearchOptions:
     allow_tp_across_nodes: bool = False
     allow_ep_across_nodes: bool = False
     norm_clipping: bool = False
-    pipeline_needs_fp32: bool = True
     zero_stage: int = 3
+    sequence_parallel: bool | None = None
 
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULES:
             raise ConfigError(f"strategy.schedule={self.schedule!r} is not a pipeline schedule. Use one of {', '.join(SCHEDULES)}.")
         if self.max_microbatches is not None and (not isinstance(self.max_microbatches, int) or self.max_microbatches < 1):
             raise ConfigError(f"strategy.max_microbatches should be an int greater than 0 or null. Got {self.max_microbatches!r}.")
+        if self.sequence_parallel not in (None, True, False):
+            raise ConfigError(f"strategy.sequence_parallel should be true, false or absent (searched). Got {self.sequence_parallel!r}.")
 
 
 @dataclass
@@ -142,7 +148,8 @@ class AutoPlan:
         """The chosen layout and its estimates, as written to ``summary.json`` (``auto_plan``)."""
         c = self.chosen
         by_rank = c.time.comm_bytes_by_rank if c.time else []
-        return {"chosen": dict(c.degrees), "zero_stage": c.layout.zero_stage if c.layout.sharding > 1 else 0,
+        return {"chosen": dict(c.degrees), "ep": c.layout.ep, "sequence_parallel": c.layout.sequence_parallel,
+                "zero_stage": c.layout.zero_stage if c.layout.sharding > 1 else 0,
                 "microbatches": c.layout.microbatches, "accumulate": c.layout.accumulate, "micro_batch": c.layout.micro_batch,
                 "virtual_stages": c.layout.virtual_stages, "hardware": self.hardware.name,
                 "estimated_memory_bytes": {k: int(v) for k, v in c.memory.items()},
@@ -177,23 +184,20 @@ def degree_sets(world: int, experts: int = 0) -> list[tuple[int, int, int, int, 
 
 
 def degree_problem(w: Workload, hw: Hardware, layout: Layout, opts: SearchOptions) -> str | None:
-    """Why hybrid4d cannot run these degrees (None: it can), in the words of its own checks."""
+    """Why these degrees cannot run (None: they can), in the words of the checks that refuse them: what no strategy
+    can change (divisibility, the batch split), what the model cannot do, and groups across nodes unless allowed."""
     shape, tp, pp, ep = w.shape, layout.tp, layout.pp, layout.ep
     dp_size = layout.dp * layout.sharding
-    if w.sequence_parallel and pp > 1:
-        return f"strategy.sequence_parallel=true with strategy.pp={pp}: sequence-sharded activations between pipeline stages are not composed yet"
-    if w.sequence_parallel and layout.sharding > 1:
-        return f"strategy.sequence_parallel=true with strategy.sharding={layout.sharding}: not reduced through FSDP2 yet"
     if tp > 1:
         if shape.tp_plan:
             return shape.tp_plan
-        if w.sequence_parallel and shape.sp_refusal:
+        if layout.sequence_parallel and shape.sp_refusal:
             return f"strategy.sequence_parallel=true with model={shape.family}: {shape.sp_refusal}"
-        sizes = list(shape.tp_sizes) + ([("data.seq_len (block_size)", w.seq_len)] if w.sequence_parallel else [])
+        sizes = list(shape.tp_sizes) + ([("data.seq_len (block_size)", w.seq_len)] if layout.sequence_parallel else [])
         bad = [f"{name}={value}" for name, value in sizes if value % tp]
         if bad:
             return f"strategy.tp={tp} does not divide " + "; ".join(bad)
-        if not opts.allow_tp_across_nodes and crosses_nodes(layout, TP, hw.devices_per_node):
+        if not opts.allow_tp_across_nodes and crosses_nodes(layout.dims, TP, hw.devices_per_node):
             return f"tp={tp} groups would span nodes of {hw.devices_per_node} ranks (strategy.allow_tp_across_nodes=true allows it)"
     if ep > 1:
         if not shape.experts:
@@ -202,18 +206,26 @@ def degree_problem(w: Workload, hw: Hardware, layout: Layout, opts: SearchOption
             return f"strategy.ep={ep} must divide the {shape.experts} experts and dp × sharding = {dp_size}"
         if opts.norm_clipping:
             return f"strategy.ep={ep} with gradient clipping by norm (each rank holds different experts)"
-        if not opts.allow_ep_across_nodes and crosses_nodes(layout, EP, hw.devices_per_node):
+        if not opts.allow_ep_across_nodes and crosses_nodes(layout.dims, EP, hw.devices_per_node):
             return f"ep={ep} groups would span nodes of {hw.devices_per_node} ranks (strategy.allow_ep_across_nodes=true allows it)"
     if pp > 1:
         if pp > shape.layers:
             return f"The pipeline has {pp} stages but the model has only {shape.layers} blocks to distribute"
-        if shape.tied:
-            return f"model={shape.family} ties its input and output embeddings: the first and last pipeline stage would share one weight"
-        if opts.pipeline_needs_fp32 and w.precision.name != "fp32":
-            return f"strategy=pp runs backward inside the pipeline schedule and supports trainer.precision=32-true only (the run uses {w.precision.name})"
+        if shape.pp_refusal:
+            return shape.pp_refusal
     if w.global_batch is not None and w.global_batch % dp_size:
         return f"data.global_batch_size={w.global_batch} cannot be split evenly over dp × sharding = {dp_size} ranks"
     return None
+
+
+def sequence_parallel_options(w: Workload, hw: Hardware, base: Layout, opts: SearchOptions) -> list[bool]:
+    """The ``sequence_parallel`` values to cost for ``base``'s degrees: none but False without tp; the one asked for;
+    else both where the model allows it (a refusal of the searched ``True`` only drops it)."""
+    if base.tp == 1 or opts.sequence_parallel is False:
+        return [False]
+    if opts.sequence_parallel:
+        return [True]
+    return [False, True] if degree_problem(w, hw, replace(base, sequence_parallel=True), opts) is None else [False]
 
 
 def batch_cuts(w: Workload, layout: Layout, opts: SearchOptions) -> list[tuple[int, int, int]]:
@@ -272,8 +284,9 @@ def search(w: Workload, hw: Hardware, world: int, opts: SearchOptions = SearchOp
     invalid = 0
     for dp, sharding, tp, pp, ep in degree_sets(world, w.shape.experts):
         reshard = (pp == 1) if opts.reshard_after_forward is None else opts.reshard_after_forward
-        base = Layout(dp, sharding, tp, pp, ep, zero_stage=opts.zero_stage if sharding > 1 else 0, schedule=opts.schedule,
-                      reshard_after_forward=reshard, mesh_order=tuple(opts.mesh_order))
+        dims = ParallelDims(world, dp=dp, sharding=sharding, tp=tp, pp=pp, ep=ep, mesh_order=tuple(opts.mesh_order))
+        base = Layout(dims, zero_stage=opts.zero_stage if sharding > 1 else 0, schedule=opts.schedule,
+                      reshard_after_forward=reshard, sequence_parallel=bool(opts.sequence_parallel) and tp > 1)
         problem = degree_problem(w, hw, base, opts)
         cuts = [] if problem else batch_cuts(w, base, opts)
         if not problem and not cuts:
@@ -284,10 +297,11 @@ def search(w: Workload, hw: Hardware, world: int, opts: SearchOptions = SearchOp
             candidates.append(Candidate(base, invalid=problem))
             continue
         rank_batch = (w.global_batch // (dp * sharding)) if w.global_batch is not None else w.per_rank_batch * w.accumulate
-        for accumulate, m, v in cuts:
-            micro = rank_batch // (accumulate * m)
-            layout = Layout(dp, sharding, tp, pp, ep, base.zero_stage, micro, m, accumulate, opts.schedule, v, reshard, base.mesh_order)
-            candidates.append(evaluate(w, hw, layout, model))
+        for sp in sequence_parallel_options(w, hw, base, opts):
+            for accumulate, m, v in cuts:
+                layout = replace(base, micro_batch=rank_batch // (accumulate * m), microbatches=m, accumulate=accumulate,
+                                 virtual_stages=v, sequence_parallel=sp)
+                candidates.append(evaluate(w, hw, layout, model))
     candidates.sort(key=_rank_key)
     plan = AutoPlan(world, hw, w, candidates, invalid)
     if not candidates or not candidates[0].fits:

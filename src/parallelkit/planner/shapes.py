@@ -56,6 +56,7 @@ class ModelShape:
     tp_plan: str | None = None  # None: hybrid4d can split it by tp; else why not
     tp_sizes: tuple[tuple[str, int], ...] = ()  # (name, size) that tp must divide, as the model's check names them
     sp_refusal: str | None = None  # why sequence parallelism is refused for this model (None: allowed)
+    pp_refusal: str | None = None  # why the model cannot be cut into pipeline stages (None: it can)
     max_positions: int | None = None
     layer_tensors: int = 0  # parameter tensors of one dense layer (what per-tensor optimizer work iterates over)
     expert_tensors: int = 0  # parameter tensors of all experts of one MoE layer
@@ -110,21 +111,25 @@ def gpt_shape(model_cfg: Any, vocab: int, seq_len: int, *, moe: bool = False) ->
 
 # ------------------------------------------------------------------------------------ Hugging Face configs
 #: model_type → how its config names the sizes, its defaults (transformers' config classes) and layout.
+#: ``tp_plan``: tensor parallelism can split it (transformers' ``base_model_tp_plan``, or parallelkit's own for GPT-2);
+#: ``decoder_loop``: parallelkit rebuilds its decoder loop (``parallelkit.models.hf.decoder.DECODER_LOOP_TYPES``), which
+#: pipeline stages and sequence parallelism need (``tests/unit/test_planner_workload.py`` holds the two lists equal).
 HF_FAMILIES: dict[str, dict[str, Any]] = {
-    "llama": dict(norm="rms", gated=True, qkv_bias="attention_bias", mlp_bias="mlp_bias", tp_plan=True,
+    "llama": dict(norm="rms", gated=True, qkv_bias="attention_bias", mlp_bias="mlp_bias", tp_plan=True, decoder_loop=True,
                   defaults=dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, intermediate_size=11008,
                                 vocab_size=32000, tie_word_embeddings=False)),
     "mistral": dict(norm="rms", gated=True, tp_plan=True,
                     defaults=dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
                                   intermediate_size=14336, vocab_size=32000, tie_word_embeddings=False)),
-    "qwen2": dict(norm="rms", gated=True, qkv_bias=True, tp_plan=True,
+    "qwen2": dict(norm="rms", gated=True, qkv_bias=True, tp_plan=True, decoder_loop=True,
                   defaults=dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, intermediate_size=22016,
                                 vocab_size=151936, tie_word_embeddings=False)),
-    "mixtral": dict(norm="rms", gated=True, tp_plan=True, moe=True,
+    "mixtral": dict(norm="rms", gated=True, tp_plan=True, moe=True, decoder_loop=True,
                     defaults=dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
                                   intermediate_size=14336, vocab_size=32000, tie_word_embeddings=False,
                                   num_local_experts=8, num_experts_per_tok=2)),
-    "gpt2": dict(norm="layer", gated=False, qkv_bias=True, mlp_bias=True, learned_positions="n_positions", fused_qkv=True,
+    "gpt2": dict(norm="layer", gated=False, qkv_bias=True, mlp_bias=True, learned_positions="n_positions", fused_qkv=True, decoder_loop=True,
+                 tp_plan=True,  # no base_model_tp_plan: parallelkit's own (models/hf/gpt2_tensor_parallel.py)
                  aliases=dict(hidden_size="n_embd", num_hidden_layers="n_layer", num_attention_heads="n_head", intermediate_size="n_inner"),
                  defaults=dict(n_embd=768, n_layer=12, n_head=12, vocab_size=50257, n_positions=1024, tie_word_embeddings=True)),
     "opt": dict(norm="layer", gated=False, qkv_bias="enable_bias", mlp_bias="enable_bias", learned_positions="max_position_embeddings",
@@ -200,8 +205,20 @@ def hf_shape(config: dict[str, Any], *, source: str = "model=hf") -> ModelShape:
     kind = f"model=hf ({model_type})"
     tp_plan = None if family.get("tp_plan") else (
         f"{kind} cannot be split by tensor parallelism: its transformers config carries no base_model_tp_plan")
-    if tp_plan is None and tied:
-        tp_plan = f"{kind} ties its input and output embeddings (tie_word_embeddings=true), which tensor parallelism here splits differently"
+    # Tied input and output embeddings are no reason to refuse: under tp both are split by vocabulary rows alike, under
+    # pp the first and last stage each hold a copy whose gradients are summed (memory.py, cost_model.py).
+    loop = family.get("decoder_loop", False)
+    pp_refusal = None if loop else (
+        f"{kind} cannot be cut into pipeline stages: each stage rebuilds the model's decoder loop (masks, positions), "
+        "which parallelkit reproduces only for " + ", ".join(t for t, f in HF_FAMILIES.items() if f.get("decoder_loop")))
+    if not loop:
+        sp_refusal = "the model's forward builds the attention mask and rotary positions from the whole sequence"
+    elif family.get("moe"):
+        sp_refusal = "a Mixture-of-Experts block routes the whole residual stream, which sequence parallelism splits"
+    elif family.get("learned_positions"):
+        sp_refusal = "its learned positions are added to the whole sequence, which sequence parallelism splits"
+    else:
+        sp_refusal = None
     sizes = (("num_attention_heads", heads), ("num_key_value_heads", kv), ("intermediate_size", ffn), ("vocab_size", vocab))
     positions = config.get("max_position_embeddings", config.get("n_positions", defaults.get("max_position_embeddings")))
     return ModelShape(
@@ -210,7 +227,7 @@ def hf_shape(config: dict[str, Any], *, source: str = "model=hf") -> ModelShape:
         dropout=any(float(config.get(k) or 0) > 0 for k in ("attention_dropout", "hidden_dropout", "resid_pdrop", "attn_pdrop", "dropout")),
         dense_layer=attn + 2 * norm + mlp, dense_layer_replicated=replicated, embed_params=vocab * embed_dim,
         head_params=0 if tied else vocab * embed_dim, first_extra=first, last_extra=last, tp_plan=tp_plan, tp_sizes=sizes,
-        sp_refusal="the model's forward builds the attention mask and rotary positions from the whole sequence",
+        sp_refusal=sp_refusal, pp_refusal=pp_refusal,
         max_positions=int(positions) if positions else None, **kwargs,
     )
 

@@ -4,7 +4,9 @@ For each run: compose its workload from overrides alone (no corpus), cost the pu
 hardware profile with the run's own precision, recomputation and overlap, and compare the predicted tokens/s per
 device with the published figure (converted from the source's own FLOP count). Then ask ``strategy=auto`` what it
 would run instead on the same machine — as parallelkit trains (hybrid4d, ``trainer.precision=bf16-mixed``, FSDP2
-overlapped, the dp all-reduce after backward) — and with what prediction.
+overlapped, the dp all-reduce after backward, sequence parallelism where the search picks it) — and with what
+prediction. Where parallelkit can run the published degrees (:func:`parallelkit_can_run`), that answer is never
+predicted slower than the published layout (``tests/unit/test_planner_validation.py``).
 
     python -m parallelkit.planner.validation            # the table of docs/planner.md
 """
@@ -16,10 +18,11 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from parallelkit.distributed.parallel_dims import ParallelDims
 from parallelkit.planner.hardware import Hardware, Link, load_profile
 from parallelkit.planner.inputs import compose_config
 from parallelkit.planner.layout import MULTI_STAGE, Layout
-from parallelkit.planner.search import AutoPlan, Candidate, SearchOptions, batch_cuts, evaluate, search
+from parallelkit.planner.search import AutoPlan, Candidate, SearchOptions, batch_cuts, degree_problem, degree_sets, evaluate, search
 from parallelkit.planner.workload import PRECISIONS, Runtime, Workload, workload_from_config
 
 HERE = Path(__file__).parent / "published"
@@ -64,7 +67,7 @@ def workload_of_run(run: dict[str, Any], *, precision: str | None = None, runtim
     """The run's workload from its overrides (the HF configs are files beside this module)."""
     overrides = [o.replace("model.config=", f"model.config={HERE}/") if o.startswith("model.config=") else o for o in run["overrides"]]
     cfg = compose_config(overrides)
-    w = workload_from_config(cfg, sequence_parallel=bool(run.get("sequence_parallel", False)))
+    w = workload_from_config(cfg)
     return w.with_(precision=PRECISIONS[precision or run["precision"]], recompute=run["recompute"],
                    attention=run.get("attention", "flash"), runtime=runtime or Runtime(**run.get("runtime", {})))
 
@@ -79,28 +82,48 @@ def hardware_of_run(run: dict[str, Any]) -> Hardware:
 
 def published_layout(run: dict[str, Any], w: Workload, hw: Hardware) -> Candidate:
     """The published degrees and micro-batch; the unpublished cut (micro-batch count, virtual stages) at its best."""
-    spec = dict(run["layout"])
-    dp, sharding, tp, pp = spec["dp"], spec["sharding"], spec["tp"], spec["pp"]
-    schedule = spec.get("schedule", "1f1b")
-    zero = spec.get("zero_stage", 3 if sharding > 1 else 0)
-    reshard = spec.get("reshard_after_forward", pp == 1)
-    split = {"embedding_and_loss_as_layers": bool(spec.get("embedding_and_loss_as_layers", False)),
-             "microbatch_group": int(spec.get("microbatch_group", 0))}
-    base = Layout(dp, sharding, tp, pp, 1, zero_stage=zero, schedule=schedule, reshard_after_forward=reshard, **split)
-    rank_batch = w.global_batch // (dp * sharding)
-    micro = spec["micro_batch"]
-    if pp == 1:
-        options = [Layout(dp, sharding, tp, pp, 1, zero, micro, 1, rank_batch // micro, schedule, 1, reshard)]
+    base = published_base(run)
+    rank_batch = w.global_batch // base.dims.data_parallel_size
+    micro, schedule = run["layout"]["micro_batch"], base.schedule
+    if base.pp == 1:
+        options = [replace(base, micro_batch=micro, accumulate=rank_batch // micro)]
     else:
-        v = spec.get("virtual_stages")
+        v = run["layout"].get("virtual_stages")
         opts = SearchOptions(schedule=schedule, virtual_stages=v, search_accumulate=False)
         cuts = [(a, m, vv) for a, m, vv in batch_cuts(w, base, opts) if rank_batch // m == micro]
         if schedule in MULTI_STAGE and v is None:
             cuts = cuts or [(1, rank_batch // micro, 2)]
-        options = [Layout(dp, sharding, tp, pp, 1, zero, micro, m, 1, schedule, vv, reshard, **split) for _, m, vv in cuts]
+        options = [replace(base, micro_batch=micro, microbatches=m, virtual_stages=vv) for _, m, vv in cuts]
     candidates = [evaluate(w, hw, layout) for layout in options]
     fitting = [c for c in candidates if c.fits] or candidates  # none fits: the fastest is reported, judged not to fit
     return min(fitting, key=lambda c: c.total_time)
+
+
+def published_base(run: dict[str, Any]) -> Layout:
+    """The published degrees (one :class:`ParallelDims`) and options, before the batch cut."""
+    spec = dict(run["layout"])
+    dp, sharding, tp, pp = spec["dp"], spec["sharding"], spec["tp"], spec["pp"]
+    dims = ParallelDims(dp * sharding * tp * pp, dp=dp, sharding=sharding, tp=tp, pp=pp)
+    return Layout(dims, zero_stage=spec.get("zero_stage", 3 if sharding > 1 else 0), schedule=spec.get("schedule", "1f1b"),
+                  reshard_after_forward=spec.get("reshard_after_forward", pp == 1),
+                  sequence_parallel=bool(run.get("sequence_parallel", False)) and tp > 1,
+                  embedding_and_loss_as_layers=bool(spec.get("embedding_and_loss_as_layers", False)),
+                  microbatch_group=int(spec.get("microbatch_group", 0)))
+
+
+def parallelkit_can_run(result: Validation) -> str | None:
+    """Why parallelkit cannot run the published layout on the same machine (None: it can): the published degrees
+    refused for parallelkit's workload (:func:`~parallelkit.planner.search.degree_problem`), or judged not to fit."""
+    if not result.published.fits:
+        return f"the published layout needs {result.published.memory['total'] / 2**30:.1f} GiB per device"
+    ours = parallelkit_workload(result.run)
+    layout = result.published.layout
+    return degree_problem(ours, result.hardware, layout, SearchOptions(schedule=layout.schedule, sequence_parallel=layout.sequence_parallel))
+
+
+def parallelkit_workload(run: dict[str, Any]) -> Workload:
+    """The run's workload as parallelkit trains it: ``trainer.precision=bf16-mixed``, parallelkit's overlap."""
+    return workload_of_run(run, precision="amp", runtime=Runtime())
 
 
 def validate(name: str, run: dict[str, Any], *, with_auto: bool = True) -> Validation:
@@ -119,12 +142,15 @@ def validate(name: str, run: dict[str, Any], *, with_auto: bool = True) -> Valid
 
 
 def auto_instead(run: dict[str, Any], hw: Hardware, world: int) -> tuple[AutoPlan | None, str]:
-    """What ``strategy=auto`` runs on the same machine: parallelkit's hybrid4d with ``trainer.precision=bf16-mixed``
-    (whose pipeline refuses mixed precision), no sequence parallelism (hybrid4d refuses it with sharding), FSDP2
-    overlapped and the dp all-reduce after backward; the run's recomputation, or ``full`` if nothing fits without."""
+    """What ``strategy=auto`` runs on the same machine: parallelkit's hybrid4d with ``trainer.precision=bf16-mixed``,
+    sequence parallelism where the search picks it, FSDP2 overlapped and the dp all-reduce after backward; the run's
+    recomputation, or ``full`` if nothing fits without."""
     from parallelkit.errors import ConfigError
 
-    ours = workload_of_run({**run, "sequence_parallel": False}, precision="amp", runtime=Runtime())
+    ours = parallelkit_workload(run)
+    refused = refusals(ours, hw, world)
+    if refused:
+        return None, refused
     note = ""
     for recompute in dict.fromkeys([run["recompute"], "full"]):
         try:
@@ -134,17 +160,37 @@ def auto_instead(run: dict[str, Any], hw: Hardware, world: int) -> tuple[AutoPla
     return None, note
 
 
+def refusals(w: Workload, hw: Hardware, world: int) -> str:
+    """Empty if some degree set of ``world`` ranks can run ``w``; else why none can, the most frequent reason per kind
+    of layout (with tensor parallelism, with a pipeline and without tensor parallelism, with neither)."""
+    from collections import Counter
+
+    kinds: dict[str, Counter] = {}
+    for dp, sharding, tp, pp, ep in degree_sets(world, w.shape.experts):
+        layout = Layout(ParallelDims(world, dp=dp, sharding=sharding, tp=tp, pp=pp, ep=ep))
+        problem = degree_problem(w, hw, layout, SearchOptions(sequence_parallel=False))
+        if problem is None:
+            return ""
+        kind = "tp > 1" if tp > 1 else "pp > 1" if pp > 1 else "tp = pp = 1"
+        kinds.setdefault(kind, Counter())[problem] += 1
+    order = [k for k in ("tp > 1", "pp > 1", "tp = pp = 1") if k in kinds]
+    return "none: " + "; ".join(f"{kind}: {kinds[kind].most_common(1)[0][0]}" for kind in order)
+
+
 def table(results: list[Validation]) -> str:
     lines = ["| run | source | layout (dp×sh×tp×pp, micro-batch) | devices | published tok/s/device | predicted | pred/pub | fits (GiB) | strategy=auto instead | auto's prediction tok/s/device |",
              "|---|---|---|---|---:|---:|---:|---|---|---:|"]
     for r in results:
         lay, c = r.published.layout, r.published
         auto = r.auto.chosen if r.auto else None
-        auto_text = (f"{auto.layout.dp}×{auto.layout.sharding}×{auto.layout.tp}×{auto.layout.pp}, micro-batch {auto.layout.micro_batch}"
-                     f"×{auto.layout.micro_steps}{', recompute=' + r.auto.workload.recompute if r.auto.workload.recompute != r.run['recompute'] else ''}"
-                     if auto else (r.auto_note[:150] + '…' if len(r.auto_note) > 150 else r.auto_note))
+        auto_text = (f"{auto.layout.dp}×{auto.layout.sharding}×{auto.layout.tp}×{auto.layout.pp}{' sp' if auto.layout.sequence_parallel else ''}, "
+                     f"micro-batch {auto.layout.micro_batch}×{auto.layout.micro_steps}"
+                     f"{f' v{auto.layout.virtual_stages}' if auto.layout.pp > 1 and auto.layout.virtual_stages > 1 else ''}"
+                     f"{', recompute=' + r.auto.workload.recompute if r.auto.workload.recompute != r.run['recompute'] else ''}"
+                     if auto else r.auto_note)
         lines.append(
-            f"| {r.name} | [{r.run['source'].split(',')[0]}]({r.run['url']}) | {lay.dp}×{lay.sharding}×{lay.tp}×{lay.pp}, {lay.micro_batch}"
+            f"| {r.name} | [{r.run['source'].split(',')[0]}]({r.run['url']}) | {lay.dp}×{lay.sharding}×{lay.tp}×{lay.pp}"
+            f"{' sp' if lay.sequence_parallel else ''}, {lay.micro_batch}"
             f"{f'×{lay.micro_steps}' if lay.micro_steps > 1 else ''}{f' v{lay.virtual_stages}' if lay.virtual_stages > 1 else ''} | {lay.world:,} × {r.hardware.name} "
             f"| {r.published_tokens_per_s:,.1f} | {c.tokens_per_s_per_device:,.1f} | {r.ratio:.2f} | {'yes' if c.fits else 'NO'} "
             f"({c.memory['total'] / 2**30:.1f} of {r.hardware.usable_memory / 2**30:.1f}) | {auto_text} | "

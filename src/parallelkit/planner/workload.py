@@ -77,8 +77,9 @@ class Runtime:
             parallelkit's ``GradAllReduce`` (hybrid4d without sharding) averages after the last backward: no.
         overlap_sharding: ZeRO-3/FSDP all-gathers are prefetched and reduce-scatters run during backward
             (FSDP2 does both).
-        p2p_scatter_gather: pipeline sends carry ``1/tp`` of the activations (Megatron's scatter/gather, or
-            sequence parallel); hybrid4d sends the whole replicated activation from every tp rank.
+        p2p_scatter_gather: pipeline sends carry ``1/tp`` of the activations (Megatron's scatter/gather); without
+            it hybrid4d sends the whole replicated activation from every tp rank — unless the layout is sequence
+            parallel, whose stage outputs are sequence shards (``Layout.sequence_parallel``: ``1/tp`` either way).
         async_p2p: pipeline sends and receives run asynchronously, behind the next chunk's compute (Llama 3,
             arXiv:2407.21783, §3.3.2): only what exceeds that compute is exposed. Default: on the critical path.
         deallocate_stage_outputs: a stage frees its output once sent, keeping only what backward needs
@@ -109,7 +110,6 @@ class Workload:
         recompute: ``none``, ``selective`` (attention core recomputed) or ``full`` (each layer recomputed).
         optimizer_slots: fp32 tensors of optimizer state per parameter (Adam 2, SGD 1).
         attention: ``flash`` (fused: no score matrix saved, causal half of the scores computed) or ``dense``.
-        sequence_parallel: tensor parallelism also splits the norm/dropout regions along the sequence.
         accumulate: ``trainer.accumulate_grad_batches`` as configured (the search may pick others; see
             :mod:`parallelkit.planner.search`).
         runtime: the implementation's overlap (:class:`Runtime`).
@@ -122,7 +122,6 @@ class Workload:
     recompute: str = "none"
     optimizer_slots: int = 2
     attention: str = "flash"
-    sequence_parallel: bool = False
     per_rank_batch: int | None = None
     accumulate: int = 1
     runtime: Runtime = field(default_factory=Runtime)
@@ -165,8 +164,7 @@ def optimizer_slots(optim_target: str) -> int:
     return 2 if "adam" in name else 1
 
 
-def workload_from_config(cfg: Any, *, datamodule: Any = None, sequence_parallel: bool = False,
-                         runtime: Runtime = PARALLELKIT_RUNTIME) -> Workload:
+def workload_from_config(cfg: Any, *, datamodule: Any = None, runtime: Runtime = PARALLELKIT_RUNTIME) -> Workload:
     """The :class:`Workload` the composed ``train`` config describes (see the module docstring).
 
     ``datamodule``: an already instantiated data module (``strategy=auto`` at launch has one); without it the
@@ -201,7 +199,7 @@ def workload_from_config(cfg: Any, *, datamodule: Any = None, sequence_parallel:
     return Workload(
         shape=shape, seq_len=seq_len, global_batch=data.get("global_batch_size"), per_rank_batch=data.get("per_device_batch_size"),
         precision=precision_from_config(cfg), recompute=str(cfg.get("recompute", "none")),
-        optimizer_slots=optimizer_slots(cfg.optim.optimizer._target_), sequence_parallel=sequence_parallel,
+        optimizer_slots=optimizer_slots(cfg.optim.optimizer._target_),
         accumulate=int(accumulate), runtime=runtime,
     )
 

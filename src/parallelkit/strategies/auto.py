@@ -23,7 +23,7 @@ from parallelkit.planner.auto import choose_layout
 from parallelkit.planner.hardware import Hardware, host_memory_per_rank, resolve_hardware
 from parallelkit.planner.report import format_ranking
 from parallelkit.planner.search import AutoPlan
-from parallelkit.strategies.hybrid4d import hybrid4d
+from parallelkit.strategies.hybrid4d import Hybrid4DStrategy
 from parallelkit.strategy_protocol import StrategyProtocol
 
 STRATEGY_NAME = "auto"
@@ -111,18 +111,11 @@ class AutoStrategy(StrategyProtocol):
         kwargs = dict(self.hybrid4d_kwargs)
         if chosen.pp > 1 and kwargs.get("schedule", "1f1b") in ("interleaved_1f1b", "zero_bubble", "zbv"):
             kwargs["virtual_stages"] = chosen.virtual_stages
-        strategy = hybrid4d(**chosen.degrees, microbatches=chosen.microbatches, **kwargs)
         record = {"strategy": STRATEGY_NAME, **plan.as_dict()}
-        own_summary, own_bind = strategy.summary_metrics, strategy.bind_trainer_config
-        # summary.json records what was chosen and estimated next to what was measured (instance-level, so
-        # the pipeline strategy's own summary entries stay).
-        strategy.summary_metrics = lambda trainer: {**own_summary(trainer), "auto_plan": record}
-
-        def bind_trainer_config(trainer_cfg: dict[str, Any]) -> None:
-            # The chosen gradient accumulation: run.py cuts the batch and builds the Trainer from trainer_cfg after this.
-            if chosen.pp == 1 and self.search_accumulate:
-                trainer_cfg["accumulate_grad_batches"] = chosen.accumulate
-            own_bind(trainer_cfg)
-
-        strategy.bind_trainer_config = bind_trainer_config
+        # An ordinary hybrid4d strategy for the chosen layout: its gradient accumulation (run.py cuts the batch and
+        # builds the Trainer after binding it) and the plan, written to summary.json beside what was measured.
+        accumulate = chosen.accumulate if chosen.pp == 1 and self.search_accumulate else None
+        kwargs.update(sequence_parallel=chosen.sequence_parallel, mesh_order=list(chosen.mesh_order))
+        strategy = Hybrid4DStrategy(**chosen.degrees, ep=chosen.ep, microbatches=chosen.microbatches,
+                                    accumulate_grad_batches=accumulate, auto_plan=record, **kwargs)
         return strategy

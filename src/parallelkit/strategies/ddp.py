@@ -10,7 +10,7 @@ from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
-from parallelkit.capabilities import DDP_COMM_HOOK, LIGHTNING_BACKWARD, REPLICATED_PARAMS, SPARSE_GRADIENTS
+from parallelkit.capabilities import DDP_COMM_HOOK, LIGHTNING_BACKWARD, MIXED_PRECISION, REPLICATED_PARAMS, SPARSE_GRADIENTS
 from parallelkit.distributed.data_parallel import apply_ddp
 from parallelkit.distributed.elastic import DEFAULT_TIMEOUT_S, init_process_group_for_attempt, process_group_timeout
 from parallelkit.distributed.parallel_dims import DP, ParallelDims
@@ -43,7 +43,7 @@ class DDPStrategy(ParallelKitStrategyMixin, LightningDDPStrategy):
     """
 
     strategy_name = "ddp"
-    capabilities = frozenset({DDP_COMM_HOOK, REPLICATED_PARAMS, LIGHTNING_BACKWARD})
+    capabilities = frozenset({DDP_COMM_HOOK, REPLICATED_PARAMS, LIGHTNING_BACKWARD, MIXED_PRECISION})
 
     def __init__(
         self,
@@ -70,7 +70,7 @@ class DDPStrategy(ParallelKitStrategyMixin, LightningDDPStrategy):
         self._init_parallelkit()
         # Who chose the comm hook: the config (strategy.ddp_comm_hook), a callback (use_comm_hook), or nobody.
         self._comm_hook_owner: str | None = "strategy.ddp_comm_hook" if ddp_comm_hook is not None else None
-        self._dp = dp
+        self.requested_dims = ParallelDims.request(dp=dp)  # data parallel only: dp = -1 or the whole world
         self.timeout_s = float(timeout_s)
         self._ddp_options = {
             "bucket_cap_mb": bucket_cap_mb,
@@ -88,7 +88,7 @@ class DDPStrategy(ParallelKitStrategyMixin, LightningDDPStrategy):
 
     @override
     def _requested_dims(self, world_size: int) -> ParallelDims:
-        return ParallelDims.from_degrees(world_size, dp=self._dp)
+        return self.requested_dims.resolve(world_size)
 
     # ---------------------------------------------------------------- comm hooks chosen by callbacks
     @override

@@ -30,7 +30,7 @@ from parallelkit.capabilities import LIGHTNING_BACKWARD
 from parallelkit.distributed.dtensor_step import use_foreach_for_dtensors
 from parallelkit.distributed.elastic import DEFAULT_TIMEOUT_S, init_process_group_for_attempt, process_group_timeout
 from parallelkit.distributed.grad_sync import GradAllReduce
-from parallelkit.distributed.parallel_dims import DEFAULT_MESH_ORDER, ParallelDims, add_lightning_axis_names
+from parallelkit.distributed.parallel_dims import ParallelDims, add_lightning_axis_names
 from parallelkit.errors import ConfigError
 from parallelkit.models.plans import parallel_model
 from parallelkit.strategies.base import ParallelKitStrategyMixin
@@ -40,9 +40,9 @@ class MeshStrategy(ParallelKitStrategyMixin, ModelParallelStrategy):
     """Parallelize the LightningModule's model in place on the mesh, then train with Lightning's loop.
 
     Args:
-        dp / sharding / tp / pp / ep: the degrees (``-1``: the remaining ranks), validated by
-            :class:`ParallelDims` before any process starts.
-        mesh_order: mesh axes, outermost first (default ``pp, dp, sharding, tp``).
+        dims: the requested degrees (:meth:`ParallelDims.request`; ``-1``: the remaining ranks), resolved and
+            validated for the world size before any process starts; its ``mesh_order`` is the mesh's axes,
+            outermost first (default ``pp, dp, sharding, tp``).
         save_distributed_checkpoint: each rank writes its shard (a checkpoint directory) rather than
             gathering a single file on rank 0.
         timeout_s: collective and rendezvous timeout in seconds.
@@ -57,12 +57,7 @@ class MeshStrategy(ParallelKitStrategyMixin, ModelParallelStrategy):
 
     def __init__(
         self,
-        dp: int = -1,
-        sharding: int = 1,
-        tp: int = 1,
-        pp: int = 1,
-        ep: int = 1,
-        mesh_order: tuple[str, ...] | list[str] = DEFAULT_MESH_ORDER,
+        dims: ParallelDims | None = None,
         save_distributed_checkpoint: bool = True,
         timeout_s: float = DEFAULT_TIMEOUT_S,
         process_group_backend: str | None = None,
@@ -74,8 +69,7 @@ class MeshStrategy(ParallelKitStrategyMixin, ModelParallelStrategy):
             timeout=timeout,
         )
         self._init_parallelkit()
-        self._degrees = {"dp": dp, "sharding": sharding, "tp": tp, "pp": pp, "ep": ep}
-        self._mesh_order = tuple(mesh_order)
+        self.requested_dims = dims if dims is not None else ParallelDims.request()
         self.timeout_s = float(timeout_s)
         self.grad_syncs: list[GradAllReduce] = []
         self._steps_through_call = False
@@ -89,7 +83,7 @@ class MeshStrategy(ParallelKitStrategyMixin, ModelParallelStrategy):
 
     @override
     def _requested_dims(self, world_size: int) -> ParallelDims:
-        return ParallelDims.from_degrees(world_size, **self._degrees, mesh_order=self._mesh_order)
+        return self.requested_dims.resolve(world_size)
 
     # ---------------------------------------------------------------- Lightning hooks
     @override

@@ -32,7 +32,7 @@ from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.strategies import DDPStrategy as LightningDDPStrategy
 from typing_extensions import override
 
-from parallelkit.capabilities import LIGHTNING_BACKWARD, SERVER_TABLES
+from parallelkit.capabilities import LIGHTNING_BACKWARD, MIXED_PRECISION, SERVER_TABLES
 from parallelkit.distributed.collectives import gather_stacked
 from parallelkit.distributed.comm_counting import counting
 from parallelkit.distributed.elastic import DEFAULT_TIMEOUT_S, init_process_group_for_attempt
@@ -73,7 +73,7 @@ class ParameterServerStrategy(DDPStrategy):
     """
 
     strategy_name = "ps"
-    capabilities = frozenset({LIGHTNING_BACKWARD, SERVER_TABLES})
+    capabilities = frozenset({LIGHTNING_BACKWARD, MIXED_PRECISION, SERVER_TABLES})
 
     def __init__(self, servers: int = 1, mode: str = "sync", geo_k_steps: int = 10, timeout_s: float = DEFAULT_TIMEOUT_S, rpc_threads: int = 16,
                  listen_interface: str | None = None, plan: str | None = None, process_group_backend: str | None = None,

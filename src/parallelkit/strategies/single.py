@@ -8,7 +8,7 @@ import torch
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from typing_extensions import override
 
-from parallelkit.capabilities import LIGHTNING_BACKWARD, REPLICATED_PARAMS, SPARSE_GRADIENTS
+from parallelkit.capabilities import LIGHTNING_BACKWARD, MIXED_PRECISION, REPLICATED_PARAMS, SPARSE_GRADIENTS
 from parallelkit.distributed.checkpoint_io import is_sharded_checkpoint, load_into_single_process
 from parallelkit.distributed.parallel_dims import ParallelDims
 from parallelkit.strategies.base import ParallelKitStrategyMixin
@@ -27,7 +27,7 @@ class SingleStrategy(ParallelKitStrategyMixin, SingleDeviceStrategy):
 
     strategy_name = "single"
     max_world_size = 1
-    capabilities = frozenset({REPLICATED_PARAMS, LIGHTNING_BACKWARD, SPARSE_GRADIENTS})
+    capabilities = frozenset({REPLICATED_PARAMS, LIGHTNING_BACKWARD, MIXED_PRECISION, SPARSE_GRADIENTS})
 
     def __init__(self, device: str | None = None) -> None:
         super().__init__(device=device or "cpu")

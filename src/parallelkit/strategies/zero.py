@@ -1,34 +1,23 @@
 """ZeRO data parallelism, native PyTorch: stage 0 (plain DP), 1 (optimizer state), 2 (+ gradients), 3 (+ parameters).
 
-Composition: stages 1-2 shard the optimizer with :class:`~parallelkit.distributed.zero_optimizer.ZeroOptimizer`
-once it exists; stage 3 shards the model with FSDP2 (:func:`~parallelkit.distributed.fsdp.apply_fsdp`) before
-the optimizer is created. Grouped sharding (``sharding_group=K``) shards inside groups of K consecutive
-ranks (the ``sharding`` mesh axis) and replicates across groups (the ``dp`` axis).
+A preset of :class:`~parallelkit.strategies.composed.ComposedStrategy`: data-parallel degrees only
+(``sharding_group=K`` shards inside groups of K consecutive ranks, the ``sharding`` mesh axis, and replicates
+across groups, the ``dp`` axis); stages 1-2 shard the optimizer once it exists, stage 3 shards the model with
+FSDP2 before the optimizer is created (:mod:`parallelkit.distributed.parallelize`, step 7).
 """
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
-import torch
-from typing_extensions import override
-
-from parallelkit.capabilities import LIGHTNING_BACKWARD, REPLICATED_PARAMS
-from parallelkit.distributed.checkpoint_io import fqn_optimizer_states, load_unsharded
-from parallelkit.distributed.blocks import select_units
 from parallelkit.distributed.elastic import DEFAULT_TIMEOUT_S
-from parallelkit.distributed.fsdp import apply_fsdp, is_sharded
-from parallelkit.distributed.grad_sync import apply_grad_allreduce
-from parallelkit.distributed.parallel_dims import DP, SHARDING, ParallelDims
-from parallelkit.distributed.zero_optimizer import ZeroOptimizer
+from parallelkit.distributed.parallel_dims import ParallelDims
+from parallelkit.distributed.parallelize import ParallelOptions
 from parallelkit.errors import ConfigError
-from parallelkit.strategies.mesh import MeshStrategy
-
-OFFLOAD_CHOICES = ("none", "optimizer", "params")
+from parallelkit.strategies.composed import OFFLOAD_CHOICES, ComposedStrategy
 
 
-class ZeroStrategy(MeshStrategy):
+class ZeroStrategy(ComposedStrategy):
     """Shard model state over the data-parallel ranks (ZeRO, Rajbhandari et al. 2020).
 
     Args:
@@ -91,137 +80,29 @@ class ZeroStrategy(MeshStrategy):
         check_unit_policy(stage, per_block, shard_modules, shard_min_params)
         check_stage_knobs(stage, sharding_group=sharding_group, per_block=per_block, reshard_after_forward=reshard_after_forward,
                           prefetch=prefetch, bucket_cap_mb=bucket_cap_mb)
-        super().__init__(save_distributed_checkpoint=save_distributed_checkpoint, timeout_s=timeout_s, process_group_backend=process_group_backend)
         self.stage = stage
         self.sharding_group = None if sharding_group in (None, -1) else sharding_group
-        self.offload = offload
-        self.per_block = per_block
-        self.shard_modules = list(shard_modules) if shard_modules else None
-        self.shard_min_params = shard_min_params
-        self.reshard_after_forward = reshard_after_forward
-        self.prefetch = prefetch
-        self.bucket_cap_mb = float(bucket_cap_mb)
-        # Stages 0-2 keep full parameters on every rank between steps; stage 3 keeps shards only.
-        self.capabilities = frozenset({LIGHTNING_BACKWARD} | ({REPLICATED_PARAMS} if stage < 3 else set()))
-        self.zero_optimizers: list[ZeroOptimizer] = []
+        if stage == 0:
+            dims = ParallelDims.request(dp=-1)
+        elif self.sharding_group is None:
+            dims = ParallelDims.request(dp=1, sharding=-1)
+        else:
+            dims = ParallelDims.request(dp=-1, sharding=self.sharding_group)
+        options = ParallelOptions(zero_stage=stage, per_block=per_block, shard_modules=tuple(shard_modules) if shard_modules else None,
+                                  shard_min_params=shard_min_params, reshard_after_forward=reshard_after_forward,
+                                  prefetch=prefetch, offload=offload, bucket_mb=float(bucket_cap_mb))
+        super().__init__(dims, options, save_distributed_checkpoint=save_distributed_checkpoint, timeout_s=timeout_s,
+                         process_group_backend=process_group_backend)
 
-    # ---------------------------------------------------------------- planning
-    @override
     def _requested_dims(self, world_size: int) -> ParallelDims:
-        if self.stage == 0:
-            return ParallelDims.from_degrees(world_size, dp=-1)
-        group = self.sharding_group or world_size
-        if world_size % group:
+        group = self.sharding_group
+        if self.stage and group is not None and world_size % group:
             divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
             raise ConfigError(
                 f"strategy.sharding_group={group} does not divide the world size {world_size} (trainer.devices × "
                 f"trainer.num_nodes): ranks are split into groups of sharding_group. Use one of {divisors}."
             )
-        return ParallelDims.from_degrees(world_size, dp=world_size // group, sharding=group)
-
-    # ---------------------------------------------------------------- composition
-    @override
-    def parallelize(self, model: torch.nn.Module) -> None:
-        dims = self.parallel_dims
-        if self.stage == 0:
-            self.grad_syncs.append(apply_grad_allreduce(model.parameters(), self.device_mesh.get_group(DP), comm_stats=self.comm_stats, bucket_mb=self.bucket_cap_mb))
-        elif self.stage == 3:
-            mesh = self.device_mesh[(DP, SHARDING)] if dims.dp > 1 else self.device_mesh[SHARDING]
-            apply_fsdp(
-                model,
-                mesh,
-                units=self._sharding_units(model),
-                reshard_after_forward=self.reshard_after_forward,
-                prefetch=self.prefetch,
-                offload_params=self.offload == "params",
-                comm_stats=self.comm_stats,
-            )
-
-    def _sharding_units(self, model: torch.nn.Module) -> list[torch.nn.Module]:
-        if is_sharded(model):  # the LightningModule's configure_model chose its units: keep them
-            if self.shard_modules or self.shard_min_params is not None:
-                raise ConfigError(
-                    f"{type(self.lightning_module).__name__}.configure_model already shards the model (fully_shard), and "
-                    "strategy.shard_modules / strategy.shard_min_params would choose other units. Use one or the other."
-                )
-            return []
-        if not self.per_block:
-            return []
-        return select_units(model, shard_modules=self.shard_modules, min_params=self.shard_min_params)
-
-    @override
-    def shard_optimizers(self) -> None:
-        if self.stage not in (1, 2):
-            return
-        clip = getattr(self.lightning_module.trainer, "gradient_clip_val", None)
-        if clip:
-            raise ConfigError(
-                f"trainer.gradient_clip_val={clip} with strategy=zero stage {self.stage}: each rank holds only its slice "
-                "of the gradients, and clipping them by norm is not implemented yet. Use stage 0 or 3, or no clipping."
-            )
-        dims = self.parallel_dims
-        names = {p: name for name, p in self.lightning_module.named_parameters()}
-        for optimizer in self.optimizers:
-            zero = ZeroOptimizer(
-                optimizer,
-                stage=self.stage,
-                shard_group=self.device_mesh.get_group(SHARDING),
-                replicate_group=self.device_mesh.get_group(DP) if dims.dp > 1 else None,
-                param_names=names,
-                offload=self.offload == "optimizer",
-                bucket_mb=self.bucket_cap_mb,
-                comm_stats=self.comm_stats,
-            )
-            self.zero_optimizers.append(zero)
-            self.grad_syncs.append(_ReduceGradients(zero))
-
-    @override
-    def after_optimizer_step(self) -> None:
-        for zero in self.zero_optimizers:
-            zero.all_gather_params()
-
-    # ---------------------------------------------------------------- accounting
-    @override
-    def model_state_bytes(self) -> dict[str, int]:
-        if not self.zero_optimizers:
-            return super().model_state_bytes()
-        totals = {"params": 0, "grads": 0, "optimizer": 0}
-        for zero in self.zero_optimizers:
-            for key, value in zero.state_bytes().items():
-                totals[key] += value
-        return totals
-
-    # ---------------------------------------------------------------- checkpoints
-    @override
-    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
-        zero = self._zero_for(optimizer)
-        return zero.full_state_dict() if zero is not None else super().optimizer_state(optimizer)
-
-    @override
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        if not self.zero_optimizers and self.stage != 0:
-            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-        # Stages 0-2 hold full parameters: load the unsharded checkpoint, keep this rank's optimizer slices.
-        path = Path(self.broadcast(str(checkpoint_path)))
-        checkpoint = load_unsharded(path)
-        self.lightning_module.load_state_dict(checkpoint.pop("state_dict"), strict=self.lightning_module.strict_loading)
-        names = [name for name, _ in self.lightning_module.named_parameters()]
-        states = fqn_optimizer_states(checkpoint, names)
-        for index, optimizer in enumerate(self.optimizers):
-            zero = self._zero_for(optimizer)
-            if zero is not None:
-                zero.load_full_state_dict(states[index])
-            else:
-                from parallelkit.distributed.checkpoint_io import fqn_to_index
-
-                optimizer.load_state_dict(fqn_to_index(states[index], names))
-        for key in [k for k in checkpoint if k.startswith("optimizer_")]:
-            del checkpoint[key]
-        return checkpoint
-
-    def _zero_for(self, optimizer: Any) -> ZeroOptimizer | None:
-        optimizer = getattr(optimizer, "_optimizer", optimizer)  # LightningOptimizer
-        return next((z for z in self.zero_optimizers if z.optimizer is optimizer), None)
+        return super()._requested_dims(world_size)
 
 
 # The knobs that act at some stages only: (the stages where they take effect, why not at the others).
@@ -266,13 +147,3 @@ def check_unit_policy(stage: int, per_block: bool, shard_modules: Any, shard_min
         raise ConfigError("strategy.shard_modules and strategy.shard_min_params are two policies for the same units; set one of them.")
     if chosen and not per_block:
         raise ConfigError(f"strategy.per_block=false makes the whole model one sharding unit, so strategy.{chosen[0]} cannot take effect. Drop one of them.")
-
-
-class _ReduceGradients:
-    """Adapts a :class:`ZeroOptimizer` to the strategy's after-backward ``grad_syncs`` list."""
-
-    def __init__(self, zero: ZeroOptimizer) -> None:
-        self.zero = zero
-
-    def sync(self) -> None:
-        self.zero.reduce_gradients()

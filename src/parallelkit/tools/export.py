@@ -75,7 +75,7 @@ def export(checkpoint_path: str | Path, out_dir: str | Path) -> Path:
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     expected = set(model.state_dict())
     if _tied(model):  # the output layer is the embedding: one tensor, saved once
-        weights.pop("lm_head.weight", None)
+        _one_tied_weight(weights, model, path)
     missing, unexpected = sorted(expected - set(weights) - _tied_keys(model)), sorted(set(weights) - expected)
     if missing or unexpected:
         raise ConfigError(f"{path}: its weights do not match the recorded {config.model_type} config (missing {missing[:4]}, unexpected {unexpected[:4]}).")
@@ -90,6 +90,28 @@ def export(checkpoint_path: str | Path, out_dir: str | Path) -> Path:
 def _tied(model: Any) -> bool:
     out = model.get_output_embeddings()
     return out is not None and out.weight is model.get_input_embeddings().weight
+
+
+def _one_tied_weight(weights: dict[str, torch.Tensor], model: Any, path: Path) -> None:
+    """Keep the tied weight once, under the input embedding's name.
+
+    A tied model's checkpoint holds it under both names: the embedding's (written by the first pipeline stage's
+    ranks) and ``lm_head.weight`` (the last stage's); equal values when the stages' gradients were summed after
+    every step. Copies that differ are an error rather than a silent choice of one.
+    """
+    embed = next(name for name, module in model.named_modules() if module is model.get_input_embeddings()) + ".weight"
+    head = weights.pop("lm_head.weight", None)
+    if head is None:
+        return
+    if embed not in weights:
+        weights[embed] = head
+    elif weights[embed].shape != head.shape or not torch.allclose(weights[embed], head, rtol=1e-5, atol=1e-6):
+        diff = (weights[embed] - head).abs().max().item() if weights[embed].shape == head.shape else "shapes differ"
+        raise ConfigError(
+            f"{path}: the model ties its input and output embeddings, but the checkpoint's two copies of that weight "
+            f"({embed} and lm_head.weight) differ (largest difference {diff}): the first and last pipeline stages' "
+            "gradients were not summed (parallelkit.distributed.tied_weights). Export a checkpoint of a run that kept them equal."
+        )
 
 
 def _tied_keys(model: Any) -> set[str]:

@@ -57,8 +57,9 @@ def parse(argv: list[str]) -> tuple[list[str], dict[str, Any]]:
 def chosen_as_hybrid4d(overrides: list[str], layout: Any) -> list[str]:
     """The overrides that train ``layout`` with ``strategy=hybrid4d`` (what ``strategy=auto`` resolves to)."""
     kept = [o for o in overrides if not o.lstrip("+~").startswith("strategy")]
-    chosen = ["strategy=hybrid4d", *(f"strategy.{axis}={degree}" for axis, degree in layout.degrees.items()),
-              f"strategy.mesh_order=[{','.join(layout.mesh_order)}]"]
+    dims = layout.dims
+    chosen = ["strategy=hybrid4d", *(f"strategy.{axis}={degree}" for axis, degree in dims.as_dict().items()),
+              f"strategy.mesh_order=[{','.join(dims.mesh_order)}]", f"strategy.sequence_parallel={str(layout.sequence_parallel).lower()}"]
     if layout.pp > 1:
         chosen += [f"strategy.microbatches={layout.microbatches}", f"strategy.schedule={layout.schedule}"]
         if layout.virtual_stages > 1:
@@ -92,9 +93,9 @@ def main(argv: list[str] | None = None) -> int:
         elif flags.get("json"):
             raise ConfigError("--json writes the planner's ranking of every candidate layout: it needs strategy=auto "
                               f"(this command has strategy={cfg.strategy.get('_target_', '?').rsplit('.', 1)[-1]}, one fixed layout).")
-        elif flags.get("hardware"):
-            print(estimate_fixed_layout(cfg, flags["hardware"]))
         plan = build_plan(overrides)
+        if cfg.strategy.get("_target_") != AUTO_TARGET and flags.get("hardware"):
+            print(estimate_fixed_layout(cfg, flags["hardware"], plan.dims))  # the degrees the strategy resolved
     except ConfigError as err:
         print(f"Error: {err}", file=sys.stderr)
         return 2

@@ -1,8 +1,11 @@
 """A small GPT (decoder-only transformer), single-device code in the spirit of nanoGPT.
 
 Parallel plans (tensor-parallel layouts, pipeline split points) live in ``parallelize.py`` beside this
-file, never in ``forward``. The token embedding and the output head are separate matrices (not tied):
-tied weights would couple the first and last pipeline stages.
+file, never in ``forward``. The token embedding and the output head are separate matrices by default;
+``tie_embeddings=True`` makes them one (``lm_head.weight is tok_emb.weight``, as nanoGPT and GPT-2 do). A tied
+model still splits: tensor parallelism shards the one weight over the vocabulary once, for both uses; pipeline
+parallelism keeps a copy on the first stage (embedding) and one on the last (head), and
+:mod:`parallelkit.distributed.tied_weights` sums their gradients after each backward so both stay equal.
 """
 
 from __future__ import annotations
@@ -79,6 +82,8 @@ class GPT(nn.Module):
         n_layer / n_head / n_embd: depth, attention heads, width (``n_embd`` divisible by ``n_head``).
         dropout: dropout probability (0 keeps every strategy bit-comparable).
         bias: use biases in linear layers and LayerNorms.
+        tie_embeddings: the output head reuses the token embedding's weight (one ``Parameter`` under both
+            ``tok_emb.weight`` and ``lm_head.weight``; ``vocab_size × n_embd`` fewer parameters). Off by default.
 
     Example::
 
@@ -87,7 +92,8 @@ class GPT(nn.Module):
         loss = model.loss(logits, targets)
     """
 
-    def __init__(self, vocab_size: int = 128, block_size: int = 64, n_layer: int = 4, n_head: int = 4, n_embd: int = 128, dropout: float = 0.0, bias: bool = True) -> None:
+    def __init__(self, vocab_size: int = 128, block_size: int = 64, n_layer: int = 4, n_head: int = 4, n_embd: int = 128, dropout: float = 0.0, bias: bool = True,
+                 tie_embeddings: bool = False) -> None:
         super().__init__()
         from parallelkit.errors import ConfigError
 
@@ -96,7 +102,10 @@ class GPT(nn.Module):
                 raise ConfigError(f"model.{name} should be an int greater than 0. Got {value!r}.")
         if n_embd % n_head:
             raise ConfigError(f"model.n_embd={n_embd} must be divisible by model.n_head={n_head} (each head gets n_embd / n_head channels).")
+        if not isinstance(tie_embeddings, bool):
+            raise ConfigError(f"model.tie_embeddings should be true or false. Got {tie_embeddings!r}.")
         self.config = cfg = GPTConfig(vocab_size, block_size, n_layer, n_head, n_embd, dropout, bias)
+        self.tie_embeddings = tie_embeddings
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         self.pos_emb = nn.Embedding(cfg.block_size, cfg.n_embd)
         self.drop = nn.Dropout(cfg.dropout)
@@ -105,6 +114,10 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         self.apply(self._init_weights)
+        if tie_embeddings:
+            # After the init, so every other weight draws the same numbers as in an untied model; the tied weight
+            # is the embedding's (both had the same N(0, 0.02) init).
+            self.lm_head.weight = self.tok_emb.weight
         # GPT-2's scaled init of residual projections keeps the residual stream's variance flat with depth.
         for name, param in self.named_parameters():
             if name.endswith(("out_proj.weight", "down_proj.weight")):

@@ -16,6 +16,9 @@ from __future__ import annotations
 # The token embedding is vocabulary-parallel (row-parallel over vocab ids: each rank embeds the ids it
 # owns, zeros elsewhere, then a sum) and the output layer column-parallel over the vocabulary; the logits
 # stay sharded and the loss runs under loss_parallel, so the full (batch, seq, vocab) logits never exist.
+# A tied model (tie_embeddings=True) shards its one vocab × n_embd matrix once: both styles split it by
+# vocabulary rows (Shard(0)), and tie_parallel_styles keeps one DTensor parameter under both modules, whose
+# gradient sums the lookups' and the logits' contributions (Megatron-LM's layout).
 # Sequence parallel: LayerNorms, dropout and the residual stream hold seq / tp positions per rank; each
 # all-reduce becomes a reduce-scatter (leaving the row-parallel layer) plus an all-gather (entering the
 # column-parallel ones): the same bytes, and 1/tp of the activations in those regions.
@@ -47,6 +50,10 @@ def tensor_parallel_plan(model, tp: int, *, sequence_parallel: bool = False):
         "tok_emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=stream),
         "lm_head": ColwiseParallel(input_layouts=stream, output_layouts=Shard(-1), use_local_output=False),
     }
+    if tied_embeddings(model):
+        from parallelkit.distributed.tied_weights import tie_parallel_styles
+
+        layout["tok_emb"], layout["lm_head"] = tie_parallel_styles(layout["tok_emb"], layout["lm_head"])
     if sequence_parallel:
         # Positions are added to this rank's slice of the sequence; the gradient is gathered back (once).
         layout["pos_emb"] = PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(0))
@@ -65,6 +72,12 @@ def tensor_parallel_plan(model, tp: int, *, sequence_parallel: bool = False):
         block.update({"ln_1": SequenceParallel(), "ln_2": SequenceParallel()})
     layout.update({f"layers.*.{name}": style for name, style in block.items()})
     return TensorParallelPlan(layout=layout, scopes={"layers.*": TP_BLOCK_KIND}, loss_parallel=True)
+
+
+def tied_embeddings(model) -> bool:
+    """The model's output layer uses the token embedding's weight (``tie_embeddings=True``), both still held."""
+    tok_emb, lm_head = getattr(model, "tok_emb", None), getattr(model, "lm_head", None)
+    return tok_emb is not None and lm_head is not None and lm_head.weight is tok_emb.weight
 
 
 def check_tensor_parallel(config, tp: int, *, sequence_parallel: bool = False) -> None:
@@ -93,6 +106,10 @@ def check_tensor_parallel(config, tp: int, *, sequence_parallel: bool = False) -
 # ``pipeline_stages`` cuts the model *in place*: the GPT object keeps only what this rank's stages use,
 # under the same names as in the full model (``layers.3.attn...``), so checkpoints and optimizer state
 # keep their keys, and memory for the other stages' weights is released.
+# A tied model (tie_embeddings=True): the first stage keeps tok_emb, the last lm_head, each with a copy of the
+# one weight; the stages name them in ``tied_weights`` and parallelkit.distributed.tied_weights sums the two
+# copies' gradients after each backward (Megatron-LM's embedding group). Checkpoints keep both names
+# (tok_emb.weight from the first stage, lm_head.weight from the last), equal values.
 
 import torch  # noqa: E402 - the pipeline section's own imports, kept apart from the TP plan above
 from torch import nn  # noqa: E402
@@ -153,7 +170,17 @@ def pipeline_stages(
         stage_class: the stage module (a subclass of :class:`GPTPipelineStage` for a GPT variant).
     """
     last = len(blocks_per_stage) - 1
+    tied = last > 0 and tied_embeddings(model)
+    if tied and 0 in stage_ids and last in stage_ids:
+        # One rank runs both ends (the V-shaped schedule): the last stage gets its own copy, as on any other
+        # rank, since the schedule divides each stage's gradients by the micro-batch count (twice, if shared).
+        weight = model.lm_head.weight
+        model.lm_head.weight = nn.Parameter(weight.detach().clone(), requires_grad=weight.requires_grad)
     stages = [stage_class(model, list(blocks_per_stage[s]), s == 0, s == last) for s in stage_ids]
+    if tied:
+        for stage, s in zip(stages, stage_ids):
+            if s in (0, last):
+                stage.tied_weights = {"embedding": "tok_emb.weight" if s == 0 else "lm_head.weight"}
     kept = {i for s in stage_ids for i in blocks_per_stage[s]}
     for key in [k for k in model.layers if int(k) not in kept]:
         del model.layers[key]

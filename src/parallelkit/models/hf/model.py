@@ -29,8 +29,9 @@ from parallelkit.errors import ConfigError
 from parallelkit.models.hf.decoder import DECODER_LOOP_TYPES, base_model, decoder_layers, final_norm, run_decoder
 from parallelkit.models.hf.moe import group_experts
 
-#: family → (transformers config class, its small defaults). Input and output embeddings untied, so that tensor and
-#: pipeline parallelism can split them (a config of your own may tie them: those two strategies then refuse it);
+#: family → (transformers config class, its small defaults). Input and output embeddings untied (override with
+#: tie_word_embeddings=true: tensor parallelism then shards the one matrix once, pipeline parallelism keeps a copy on
+#: the first and the last stage and sums their gradients, see parallelize.py);
 #: no dropout, as parallelkit's own GPT, so that every strategy can reproduce one process exactly.
 FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "llama": ("LlamaConfig", dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128)),

@@ -10,6 +10,14 @@ other (:mod:`parallelkit.models.plans`):
   layer, the loss under ``loss_parallel`` (the full ``(batch, seq, vocab)`` logits never exist), and sequence
   parallelism on request (the norms on sequence shards; the decoder loop of ``decoder.py`` builds the masks and
   positions from the whole sequence). Grouped-query attention needs the key/value heads to divide by ``tp`` too.
+  GPT-2, whose config carries no plan (its attention fuses q, k and v into one ``Conv1D``), gets parallelkit's
+  (``gpt2_tensor_parallel.py``: each rank the q, k and v columns of its heads, Megatron's head-grouped order).
+- **tied input and output embeddings** (``tie_word_embeddings=true``): under tensor parallelism the one matrix is
+  sharded once over the vocabulary and shared by the embedding and the output layer
+  (:func:`~parallelkit.distributed.tied_weights.tie_parallel_styles`); under pipeline parallelism the first stage
+  keeps the embedding and the last the output layer, each a copy, whose gradients
+  :func:`~parallelkit.distributed.tied_weights.apply_tied_embedding_sync` sums after each backward (the stages
+  name them in ``tied_weights``).
 - **pipeline parallel**: stages of consecutive decoder layers; the first also embeds, the last also normalises
   and predicts. Each stage rebuilds the rotary positions and the causal mask the model's own forward builds.
 - **ZeRO-3 and recomputation** need no plan: their units default to the decoder layers (the children of the
@@ -18,11 +26,10 @@ other (:mod:`parallelkit.models.plans`):
   the model is built (``moe.py``), spread over ``ep`` ranks by :func:`~parallelkit.distributed.expert_parallel.apply_ep`;
   under tensor parallelism the experts stay whole on every tp rank (as for parallelkit's MoE GPT).
 
-What is refused, with the reason: a config without ``base_model_tp_plan`` (GPT-2: its attention fuses q, k and v
-into one ``Conv1D``) under tensor parallelism; sequence parallelism with Mixture-of-Experts blocks (they route the
-whole residual stream) or a model type whose decoder loop parallelkit does not rebuild; a model type other than
-those (``decoder.DECODER_LOOP_TYPES``) under pipeline parallelism; tied input and output embeddings under tensor
-or pipeline parallelism.
+What is refused, with the reason: a config without ``base_model_tp_plan`` other than GPT-2's under tensor
+parallelism; sequence parallelism with GPT-2 (its learned positions are added to the whole sequence), with
+Mixture-of-Experts blocks (they route the whole residual stream) or a model type whose decoder loop parallelkit
+does not rebuild; a model type other than those (``decoder.DECODER_LOOP_TYPES``) under pipeline parallelism.
 """
 
 from __future__ import annotations
@@ -60,11 +67,15 @@ def check_tensor_parallel(model: nn.Module, tp: int, sequence_parallel: bool) ->
     config = model.config
     plan = getattr(config, "base_model_tp_plan", None)
     kind = f"model=hf ({config.model_type})"
-    if not plan:
+    if config.model_type == "gpt2":
+        if sequence_parallel:
+            raise ConfigError(f"strategy.sequence_parallel=true with {kind}: GPT-2 adds its learned positions to the whole "
+                              "sequence, which sequence parallelism splits. Set strategy.sequence_parallel=false.")
+        plan = {}  # parallelkit's own plan for GPT-2's Conv1D layers (gpt2_tensor_parallel.py)
+    elif not plan:
         raise ConfigError(
-            f"{kind} cannot be split by tensor parallelism: its transformers config carries no base_model_tp_plan (GPT-2's "
-            "attention fuses q, k and v into one Conv1D). Use a family whose config has one (llama, qwen2), or "
-            "strategy=zero / pp, which need no split of the layers."
+            f"{kind} cannot be split by tensor parallelism: its transformers config carries no base_model_tp_plan. Use a "
+            "family whose config has one (llama, qwen2) or GPT-2, or strategy=zero / pp, which need no split of the layers."
         )
     if sequence_parallel and (config.model_type not in DECODER_LOOP_TYPES or getattr(model, "moe_blocks", None)):
         why = ("a Mixture-of-Experts block routes the whole residual stream, which sequence parallelism splits"
@@ -76,17 +87,12 @@ def check_tensor_parallel(model: nn.Module, tp: int, sequence_parallel: bool) ->
     if any(style not in _styles() for style in plan.values()):
         unsupported = sorted({f"{pattern}: {style}" for pattern, style in plan.items() if style not in _styles()})
         raise ConfigError(f"{kind} has layers tensor parallelism cannot split here ({'; '.join(unsupported)}). Use strategy=zero or pp.")
-    if _tied(model):
-        raise ConfigError(
-            f"{kind} ties its input and output embeddings (tie_word_embeddings=true), which tensor parallelism here splits "
-            "differently (the embedding by rows of the vocabulary for lookups, the output layer for the loss). Set "
-            "model.overrides.tie_word_embeddings=false, or use strategy=zero."
-        )
     sizes = {
         "num_attention_heads": (config.num_attention_heads, "attention heads are split across ranks"),
         "num_key_value_heads": (getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
                                 "grouped-query attention splits the key/value heads too"),
-        "intermediate_size": (getattr(config, "intermediate_size", None) or 4 * config.hidden_size, "the MLP units are split"),
+        "intermediate_size": (getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or 4 * config.hidden_size,
+                              "the MLP units are split"),
         "vocab_size": (config.vocab_size, "the embedding and output layer are split over the vocabulary"),
     }
     bad = [f"model.{name}={value} ({why})" for name, (value, why) in sizes.items() if value % tp]
@@ -109,10 +115,24 @@ def tensor_parallel_plan(model: nn.Module, tp: int, *, sequence_parallel: bool =
     stream = Shard(1) if sequence_parallel else Replicate()
     styles = {**_styles(), "rowwise": RowwiseParallel(output_layouts=stream)}
     layout = {f"{prefix}.{pattern}": styles[style] for pattern, style in plan.items()}
-    layout[_name_of(model, model.hf.get_input_embeddings())] = RowwiseParallel(input_layouts=Replicate(), output_layouts=stream)
-    layout[_name_of(model, model.hf.get_output_embeddings())] = ColwiseParallel(input_layouts=stream, output_layouts=Shard(-1),
-                                                                                use_local_output=False)
+    embed, head = _name_of(model, model.hf.get_input_embeddings()), _name_of(model, model.hf.get_output_embeddings())
+    layout[embed] = RowwiseParallel(input_layouts=Replicate(), output_layouts=stream)
+    layout[head] = ColwiseParallel(input_layouts=stream, output_layouts=Shard(-1), use_local_output=False)
+    if _tied(model):  # one matrix, sharded once over the vocabulary for both uses
+        from parallelkit.distributed.tied_weights import tie_parallel_styles
+
+        layout[embed], layout[head] = tie_parallel_styles(layout[embed], layout[head])
     layers = _name_of(model, decoder_layers(model))
+    if model.config.model_type == "gpt2":
+        from parallelkit.models.hf.gpt2_tensor_parallel import Conv1DColwise, Conv1DRowwise, GPT2LocalHeads
+
+        layout.update({
+            f"{layers}.*.attn": GPT2LocalHeads(),
+            f"{layers}.*.attn.c_attn": Conv1DColwise(fused=3, heads=model.config.num_attention_heads),
+            f"{layers}.*.attn.c_proj": Conv1DRowwise(),
+            f"{layers}.*.mlp.c_fc": Conv1DColwise(),
+            f"{layers}.*.mlp.c_proj": Conv1DRowwise(),
+        })
     if sequence_parallel:
         from torch.distributed.tensor.parallel import PrepareModuleInput, SequenceParallel
 
@@ -124,6 +144,11 @@ def tensor_parallel_plan(model: nn.Module, tp: int, *, sequence_parallel: bool =
         layout[f"{layers}.*.self_attn"] = PrepareModuleInput(input_kwarg_layouts={"hidden_states": stream},
                                                              desired_input_kwarg_layouts={"hidden_states": Replicate()})
         layout[f"{layers}.*.mlp"] = PrepareModuleInput(input_layouts=(stream,), desired_input_layouts=(Replicate(),))
+        # Layers hand on a DTensor of the sequence shard: a pipeline stage then receives the whole sequence's shape, from
+        # which it builds the causal mask and rotary positions (a plain shard gave them for seq / tp positions).
+        from parallelkit.distributed.tensor_parallel import sequence_parallel_blocks
+
+        layout[f"{layers}.*"] = sequence_parallel_blocks(stream)
     return TensorParallelPlan(layout=layout, scopes={f"{layers}.*": TP_BLOCK_KIND}, loss_parallel=True)
 
 
@@ -166,15 +191,23 @@ class HFPipelineStage(nn.Module):
 
 def pipeline_stages(model: nn.Module, blocks_per_stage: list[range], stage_ids: list[int]) -> list[nn.Module]:
     """Build this rank's stages and drop every module no local stage uses (in place; names stay, so
-    checkpoints and optimizer state keep their keys)."""
-    if _tied(model):
-        raise ConfigError(
-            f"model=hf ({model.config.model_type}) ties its input and output embeddings (tie_word_embeddings=true): the first "
-            "and the last pipeline stage would share one weight. Set model.overrides.tie_word_embeddings=false, or use "
-            "strategy=zero."
-        )
+    checkpoints and optimizer state keep their keys).
+
+    Tied embeddings: the first stage keeps the input embedding, the last the output layer, each a copy of the one
+    weight, named in the stages' ``tied_weights`` for :func:`~parallelkit.distributed.tied_weights.apply_tied_embedding_sync`;
+    checkpoints keep both names (the embedding's from the first stage, ``lm_head.weight`` from the last)."""
     last = len(blocks_per_stage) - 1
+    tied = last > 0 and _tied(model)
+    if tied and 0 in stage_ids and last in stage_ids:
+        # One rank runs both ends (V-shaped schedule): the last stage gets its own copy, as on any other rank (the
+        # schedule divides each stage's gradients by the micro-batch count: twice, for a weight shared by two stages).
+        head = model.hf.get_output_embeddings()
+        head.weight = nn.Parameter(head.weight.detach().clone(), requires_grad=head.weight.requires_grad)
     stages = [HFPipelineStage(model, list(blocks_per_stage[s]), s == 0, s == last) for s in stage_ids]
+    if tied:
+        for stage, s in zip(stages, stage_ids):
+            if s in (0, last):
+                stage.tied_weights = {"embedding": "embed.weight" if s == 0 else "lm_head.weight"}
     kept = {i for s in stage_ids for i in blocks_per_stage[s]}
     layers = decoder_layers(model)
     for i in range(len(layers)):
