@@ -87,3 +87,20 @@ def test_black_and_white_lists_work_under_a_pipeline(tmp_path):
     plain = run_ok([*TINY, *lists[:2], *lists[-2:], "strategy=pp", "strategy.pp=2", "strategy.microbatches=2", "trainer.devices=2"],
                    tmp_path / "plain")
     assert max_rel_diff(plain["train_loss"], pipe["train_loss"]) > 3 * matched
+
+
+def test_the_loss_scale_is_checkpointed_and_resumed_under_a_pipeline(tmp_path):
+    # The scale grows every 2 good steps here, so it moves within the run; a run resumed from its step-3 checkpoint
+    # must go on with the scale and the losses of the uninterrupted one (the AMP plugin's state is in the checkpoint).
+    common = [*TINY, "callbacks=[amp]", "callbacks.amp.dtype=fp16", "callbacks.amp.incr_every_n_steps=2", "trainer.limit_val_batches=0",
+              "strategy=pp", "strategy.pp=2", "strategy.microbatches=2", "trainer.devices=2", "checkpoint.every_n_steps=3",
+              f"trainer.max_steps={STEPS}"]
+    straight = run_ok(common, tmp_path / "straight")
+    step3 = next((tmp_path / "straight" / "checkpoints").glob("*step=3.ckpt"))
+    resumed = run_ok([*common, f"ckpt_path={step3.rename(tmp_path / 'step3.ckpt')}"], tmp_path / "resumed")
+    assert straight["amp"]["loss_scale"] == 32768.0 * 2 ** (STEPS // 2)  # it moved: 3 growths in 6 good steps
+    assert resumed["amp"]["loss_scale"] == straight["amp"]["loss_scale"]
+    assert resumed["train_loss"][-3:] == straight["train_loss"][-3:]  # bit for bit: same layout
+    # Negative control: a run that starts over (scale from its initial value) ends at another scale.
+    fresh = run_ok([*common[:-1], "trainer.max_steps=3"], tmp_path / "fresh")
+    assert fresh["amp"]["loss_scale"] != resumed["amp"]["loss_scale"]
