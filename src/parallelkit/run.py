@@ -243,6 +243,7 @@ def _run(cfg: DictConfig) -> dict[str, Any] | None:
 
     from parallelkit.callbacks.base import ParallelKitCallback
     from parallelkit.callbacks.progress_bar import step_progress_bar
+    from parallelkit.callbacks.resumed_schedule import ResumedSchedule
     from parallelkit.callbacks.run_summary import RunSummary
     from parallelkit.models.module import TrainModule
 
@@ -324,7 +325,8 @@ def _run(cfg: DictConfig) -> dict[str, Any] | None:
             accelerator=accelerator,
             devices=devices,
             num_nodes=num_nodes,
-            callbacks=[*callbacks, periodic_checkpoint, summary, signal_stop],
+            # ResumedSchedule: a resumed run's learning rate follows this run's schedule from its first step on.
+            callbacks=[*callbacks, periodic_checkpoint, summary, signal_stop, ResumedSchedule()],
             logger=build_logger(cfg, out),
             default_root_dir=out,
             use_distributed_sampler=False,  # the datamodule shards by the data-parallel rank itself

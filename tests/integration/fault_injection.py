@@ -311,3 +311,34 @@ class DropGradSync(Callback):
         kept = [s for s in syncs if getattr(s, "kind", None) != self.kind]
         assert len(kept) < len(syncs), f"no gradient sync of kind {self.kind!r} to drop"
         trainer.strategy.grad_syncs[:] = kept
+
+
+class FinalCheckpointAtTrainEnd(Callback):
+    """The final checkpoint as parallelkit wrote it before issue 33's fix: ``last.ckpt`` rewritten in
+    ``on_train_end``, where Lightning has already counted the epoch as finished although ``trainer.max_steps``,
+    not the data, ended it (a single-file checkpoint: strategy=ddp)."""
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        from pathlib import Path
+
+        trainer.save_checkpoint(Path(trainer.default_root_dir) / "checkpoints" / "last.ckpt")
+
+
+class KeepRestoredLearningRate(Callback):
+    """A resume without ``parallelkit.callbacks.resumed_schedule`` (a negative control): the first resumed step
+    trains at the learning rate the checkpoint's optimizer holds (the earlier run's schedule), as before issue 33's
+    fix. User callbacks' ``on_train_start`` runs before ResumedSchedule's, so this one sees the restored rates."""
+
+    def __init__(self) -> None:
+        self.restored = None
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self.restored = [[group["lr"] for group in optimizer.param_groups] for optimizer in trainer.optimizers]
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if self.restored is None:
+            return
+        for optimizer, rates in zip(trainer.optimizers, self.restored):
+            for group, rate in zip(optimizer.param_groups, rates):
+                group["lr"] = rate
+        self.restored = None

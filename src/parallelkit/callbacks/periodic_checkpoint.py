@@ -14,6 +14,8 @@ directories, and what a strategy keeps beside them). Every write is atomic, so a
 process killed while writing leaves the previous checkpoint loadable; a failed write stops the job with
 :class:`~parallelkit.errors.WriteFailed` (one paragraph, exit code 5). A checkpoint due at a step that
 validation follows is written after it, so that a resumed run neither repeats nor skips that validation.
+The final state (step ``trainer.max_steps``) is written the same way, at that step's boundary (``last.ckpt``;
+a step checkpoint too if one is due), so that a finished run taken further resumes mid-epoch, exactly.
 """
 
 from __future__ import annotations
@@ -73,6 +75,7 @@ class PeriodicCheckpoint(Checkpoint):
         self.last_model_path = ""  # Lightning's name: where last.ckpt is, once written
         self._stopper: Any = None
         self._pending: int | None = None  # a checkpoint deferred to the end of validation (the stop signal, or 0)
+        self._pending_step_file = True  # ... and whether it writes a step checkpoint (not for the final state alone)
 
     @property
     @override
@@ -80,6 +83,19 @@ class PeriodicCheckpoint(Checkpoint):
         return self._generate_state_key(dirpath=str(self.dirpath))
 
     # ---------------------------------------------------------------------------------------- hooks
+    @override
+    def on_load_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
+        # Lightning calls this after it restored the data module's state and before the loops' state.
+        datamodule = trainer.datamodule
+        key = type(datamodule).__qualname__ if datamodule is not None else None
+        if not continue_the_epoch(checkpoint, key):
+            return
+        rank_zero_info(f"parallelkit: the checkpoint of step {checkpoint.get('global_step')} was written at the end of its run, its "
+                       "epoch counted as finished before the epoch's data were: training goes on in that epoch, as the "
+                       "uninterrupted run does.")
+        if key in checkpoint:
+            datamodule.load_state_dict(checkpoint[key])  # the corrected position
+
     @override
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         if not callable(getattr(trainer.fit_loop.epoch_loop, "_should_check_val_fx", None)):
@@ -96,7 +112,7 @@ class PeriodicCheckpoint(Checkpoint):
         self._seen_step = self._saved_step = self._agreed_step = trainer.global_step
         self._saved_at = self._agreed_at = now
         self._next_agreement = trainer.global_step + 1
-        self._pending = None
+        self._pending, self._pending_step_file = None, True
 
     @override
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
@@ -111,24 +127,33 @@ class PeriodicCheckpoint(Checkpoint):
         if step >= self._next_agreement and self._agrees():
             time_due, signum = self._agree(trainer, step, signum)
             due = due or time_due or bool(signum)
-        if not due:
+        # The final state is written here, at the last step's boundary like every other checkpoint, and not in
+        # on_train_end: by then Lightning has counted the epoch as finished although trainer.max_steps, not the
+        # data, ended it. A finished run taken further from that state (a larger trainer.max_steps with
+        # ckpt_path=last) went on in the *next* epoch at this batch index: another data order and other dropout
+        # streams than the uninterrupted run's (issue 33). At a step boundary Lightning resumes mid-epoch, exactly.
+        final = _last_step(trainer)
+        if not (due or final):
             return
         if _validation_follows(trainer):
-            self._pending = signum
+            self._pending, self._pending_step_file = signum, due
             return
-        self._save_then_stop(trainer, signum)
+        self._save_then_stop(trainer, signum, step_file=due)
 
     @override
     def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
         if self._pending is None or trainer.sanity_checking:
             return
         signum, self._pending = self._pending, None
-        self._save_then_stop(trainer, signum)
+        self._save_then_stop(trainer, signum, step_file=self._pending_step_file)
 
     @override
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
-        if trainer.global_step != self._saved_step:  # the final state, whatever the schedule
-            self._save(trainer, step_file=bool(self._pending is not None or (self.every_n_steps and trainer.global_step % self.every_n_steps == 0)))
+        # The final state of a run that max_steps did not end (epochs, a callback's stop), or whose checkpoint
+        # waited for a validation that did not run.
+        if trainer.global_step != self._saved_step:
+            pending = self._pending_step_file if self._pending is not None else False
+            self._save(trainer, step_file=bool(pending or (self.every_n_steps and trainer.global_step % self.every_n_steps == 0)))
 
     # ---------------------------------------------------------------------------------------- agreement
     def _agrees(self) -> bool:
@@ -153,10 +178,10 @@ class PeriodicCheckpoint(Checkpoint):
         return bool(mine[1]), int(mine[0])
 
     # ---------------------------------------------------------------------------------------- writing
-    def _save_then_stop(self, trainer: Any, signum: int) -> None:
+    def _save_then_stop(self, trainer: Any, signum: int, step_file: bool = True) -> None:
         if signum and self._stopper is not None:
             self._stopper.stopping()  # from here on, a timer or another signal must not end this rank
-        self._save(trainer, step_file=True)
+        self._save(trainer, step_file=step_file)
         if signum and not _last_step(trainer):
             rank_zero_info(f"parallelkit: stopped on {signal.Signals(signum).name} after step {trainer.global_step}, "
                            f"checkpoint {self.last_model_path}; resume with ckpt_path=last.")
@@ -221,6 +246,38 @@ def _reason(failure: Any) -> str:
     if isinstance(error, OSError) and error.strerror:
         return f"{error.strerror} (errno {error.errno})"
     return f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
+
+
+def continue_the_epoch(checkpoint: dict[str, Any], datamodule_key: str | None = None) -> bool:
+    """Make a checkpoint written in ``on_train_end`` of a run that stopped mid-epoch go on in that epoch.
+
+    parallelkit wrote its final checkpoint there until issue 33 (now: at the last step's boundary), and still does
+    for a run that a callback stopped. By then Lightning's fit loop has counted the epoch as finished although its
+    data were not (the epoch's last batch not reached): resumed as it is, Lightning goes on in the *next* epoch at
+    the same batch index, another data order and other dropout streams than the uninterrupted run's. Such a
+    checkpoint becomes the one Lightning writes after a mid-epoch batch and its validation: the two differ in the
+    epoch counters only, and in the epoch of the data module's position (``checkpoint[datamodule_key]``, as
+    :class:`parallelkit.data.base.DataParallelDataModule` records it). Returns whether it did.
+    """
+    loop = (checkpoint.get("loops") or {}).get("fit_loop") or {}
+    epochs, batches = loop.get("epoch_progress"), loop.get("epoch_loop.batch_progress")
+    if not epochs or not batches:
+        return False
+    epoch, batch = epochs["current"], batches["current"]
+    finished = epoch["ready"] == epoch["started"] == epoch["processed"] == epoch["completed"] > 0
+    stopped_mid_epoch = not batches.get("is_last_batch", True) and batch["started"] == batch["processed"] == batch["completed"] > 0
+    if not (finished and stopped_mid_epoch):
+        return False
+    counted = epoch["completed"]  # Lightning's current_epoch in that state: one too many
+    for progress in (epochs["current"], epochs["total"]):
+        progress["processed"] -= 1
+        progress["completed"] -= 1
+    if checkpoint.get("epoch") == counted:
+        checkpoint["epoch"] = counted - 1
+    position = checkpoint.get(datamodule_key) if datamodule_key else None
+    if isinstance(position, dict) and position.get("epoch") == counted:
+        position["epoch"] = counted - 1
+    return True
 
 
 def _validation_follows(trainer: Any) -> bool:

@@ -84,7 +84,7 @@ class DataParallelDataModule(pl.LightningDataModule):
         if self._resume is not None:
             sampler.resume_at(*self._resume)
         self._train_sampler = sampler
-        return DataLoader(self.train_set, batch_sampler=sampler, num_workers=self.num_workers)
+        return PositionedDataLoader(self.train_set, batch_sampler=sampler, num_workers=self.num_workers)
 
     # Exact resume -----------------------------------------------------------
     # Lightning restores its loop counters but restarts a plain DataLoader at the beginning of the epoch;
@@ -114,3 +114,20 @@ class DataParallelDataModule(pl.LightningDataModule):
         plan = BatchPlan(micro * self.plan.data_parallel_size, micro, self.plan.data_parallel_size, 1)
         sampler = DataParallelBatchSampler(len(self.val_set), plan, rank, self.seed, shuffle=False)
         return DataLoader(self.val_set, batch_sampler=sampler, num_workers=self.num_workers)
+
+
+class PositionedDataLoader(DataLoader):
+    """The training loader: resumable mid-epoch, with its position kept by its data module.
+
+    Lightning asks the training loader for ``state_dict``/``load_state_dict`` before a mid-epoch resume and, without
+    them, warns that the loader would restart at the beginning of the epoch. This one does not: the data module
+    records the position (:meth:`DataParallelDataModule.state_dict`: the epoch and the micro-batches Lightning
+    counted as processed, the loader's prefetched one excluded) and Lightning restores it before it builds the
+    loader, whose sampler then skips those micro-batches. The loader has no state of its own to add.
+    """
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Nothing to restore here: the data module set the sampler's position (``resume_at``) already."""
