@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from parallelkit.distributed.parallel_dims import (
+    CP,
     DEFAULT_MESH_ORDER,
     DP,
     EP,
@@ -36,6 +37,8 @@ MESH_CASES = [
     pytest.param(16, dict(dp=-1, sharding=4, tp=2), DEFAULT_MESH_ORDER, id="w16-sharding4-tp2"),
     pytest.param(64, dict(pp=2, dp=2, sharding=2, tp=8), DEFAULT_MESH_ORDER, id="w64-4d-default-order"),
     pytest.param(64, dict(pp=2, dp=2, sharding=2, tp=8), (TP, SHARDING, PP, DP), id="w64-4d-order-tp,sharding,pp,dp"),
+    pytest.param(32, dict(pp=2, dp=2, sharding=2, cp=2, tp=2), DEFAULT_MESH_ORDER, id="w32-5d-default-order"),
+    pytest.param(16, dict(dp=2, cp=4, tp=2), (TP, DP, SHARDING, CP, PP), id="w16-cp4-order-tp,dp,sharding,cp,pp"),
 ]
 
 
@@ -74,17 +77,18 @@ def mesh_positions(dims: ParallelDims) -> dict[int, dict[str, int]]:
 
 
 def test_axis_constants_are_the_public_names():
-    # DESIGN §3: strategy.dp / strategy.sharding / strategy.tp / strategy.pp / strategy.ep are the CLI contract.
-    assert (DP, SHARDING, TP, PP, EP) == ("dp", "sharding", "tp", "pp", "ep")
-    assert set(MESH_AXES) == {DP, SHARDING, TP, PP}
+    # DESIGN §3: strategy.dp / strategy.sharding / strategy.tp / strategy.pp / strategy.ep (and .cp) are the CLI contract.
+    assert (DP, SHARDING, CP, TP, PP, EP) == ("dp", "sharding", "cp", "tp", "pp", "ep")
+    assert set(MESH_AXES) == {DP, SHARDING, CP, TP, PP}
     assert EP not in MESH_AXES  # ep spreads experts over dp × sharding; it is not a mesh axis
     assert sorted(DEFAULT_MESH_ORDER) == sorted(MESH_AXES)
     assert DEFAULT_MESH_ORDER[-1] == TP and DEFAULT_MESH_ORDER[0] == PP
+    assert DEFAULT_MESH_ORDER[-2] == CP  # context parallel beside tp: a ring per layer wants adjacent ranks
 
 
 def test_as_dict_has_the_summary_keys():
     dims = ParallelDims.from_degrees(8, dp=2, sharding=2, tp=2, ep=2)
-    assert dims.as_dict() == {"dp": 2, "sharding": 2, "tp": 2, "pp": 1, "ep": 2}
+    assert dims.as_dict() == {"dp": 2, "sharding": 2, "cp": 1, "tp": 2, "pp": 1, "ep": 2}
     assert dims.data_parallel_size == 4
     with pytest.raises(dataclasses.FrozenInstanceError):
         dims.dp = 4  # type: ignore[misc]
@@ -234,6 +238,7 @@ def test_mesh_order_accepts_any_permutation_and_a_list():
 @pytest.mark.parametrize("world, degrees, order", MESH_CASES)
 def test_mesh_shape_names_and_coordinates_match_device_mesh(world, degrees, order):
     dims = ParallelDims.from_degrees(world, mesh_order=order, **degrees)
+    order = dims.mesh_order  # a four-axis order (written before cp) gets cp just outside tp
     expected_shape = tuple(getattr(dims, axis) for axis in order)
     for rank in range(world):
         names, coordinate, shape, _ = mesh_for_rank(dims, rank)
@@ -300,17 +305,17 @@ def test_data_parallel_rank_shared_across_tp_pp_and_covers_every_shard(world, de
     positions = mesh_positions(dims)
     shards = dims.dp * dims.sharding
     by_dp_coords: dict[tuple[int, int], set[int]] = defaultdict(set)
-    by_slice: dict[tuple[int, int], list[int]] = defaultdict(list)
+    by_slice: dict[tuple[int, int, int], list[int]] = defaultdict(list)
     for rank, pos in positions.items():
         dp_rank = dims.data_parallel_rank(rank)
         by_dp_coords[pos[DP], pos[SHARDING]].add(dp_rank)
-        by_slice[pos[TP], pos[PP]].append(dp_rank)
-    # Ranks that differ only in tp/pp read the same shard ...
+        by_slice[pos[CP], pos[TP], pos[PP]].append(dp_rank)
+    # Ranks that differ only in cp/tp/pp read the same shard (cp ranks then keep their part of each sequence) ...
     assert all(len(dp_ranks) == 1 for dp_ranks in by_dp_coords.values())
     # ... different (dp, sharding) coordinates read different shards ...
     assert len({next(iter(s)) for s in by_dp_coords.values()}) == shards
-    # ... and each (tp, pp) slice covers shards 0 .. dp*sharding-1 exactly once.
-    assert len(by_slice) == dims.tp * dims.pp
+    # ... and each (cp, tp, pp) slice covers shards 0 .. dp*sharding-1 exactly once.
+    assert len(by_slice) == dims.cp * dims.tp * dims.pp
     for dp_ranks in by_slice.values():
         assert sorted(dp_ranks) == list(range(shards))
 
@@ -321,3 +326,39 @@ def test_coordinates_rejects_ranks_outside_the_world():
         with pytest.raises(ValueError):
             dims.coordinates(rank)
 
+
+
+# --------------------------------------------------------------------------- context parallel
+
+
+def test_an_order_written_before_cp_gets_it_just_outside_tp():
+    dims = ParallelDims.from_degrees(8, dp=2, cp=2, tp=2, mesh_order=[PP, DP, SHARDING, TP])
+    assert dims.mesh_order == DEFAULT_MESH_ORDER
+    assert ParallelDims.from_degrees(4, dp=-1, mesh_order=(TP, PP, DP, SHARDING)).mesh_order == (CP, TP, PP, DP, SHARDING)
+
+
+def test_cp_needs_the_gradient_axes_adjacent():
+    """dp, sharding and cp average gradients as one flattened axis: they must be adjacent, in that order."""
+    with pytest.raises(ConfigError, match="dp, sharding and cp must be adjacent"):
+        ParallelDims.from_degrees(8, dp=2, cp=2, tp=2, mesh_order=(DP, PP, SHARDING, CP, TP))
+    # the same order is fine without cp (nothing to flatten)
+    ParallelDims.from_degrees(8, dp=2, tp=2, pp=2, mesh_order=(DP, PP, SHARDING, CP, TP))
+
+
+def test_cp_takes_minus_one_and_multiplies_into_the_world():
+    assert ParallelDims.from_degrees(8, dp=2, cp=-1, tp=2).cp == 2
+    with pytest.raises(ConfigError, match=r"cp\(3\)"):
+        ParallelDims.from_degrees(8, dp=2, cp=3, tp=1)
+
+
+def test_token_groups_span_cp_and_expert_groups_stay_within_one_cp_index():
+    """Ranks holding different tokens of the same model part (MoE routing, capacity): dp × sharding × cp; an expert
+    group's ranks share a cp index (they exchange the tokens of the same sequence part); ranks holding the same
+    experts average their gradients over every cp index too."""
+    dims = ParallelDims.from_degrees(8, dp=4, cp=2, ep=2)
+    coords = {r: dims.coordinates(r) for r in range(8)}
+    assert dims.data_parallel_groups() == [list(range(8))]
+    for group in dims.expert_parallel_groups():
+        assert len(group) == 2 and len({coords[r][CP] for r in group}) == 1
+    for group in dims.expert_data_parallel_groups():
+        assert len(group) == 4 and {coords[r][CP] for r in group} == {0, 1} and len({coords[r][EP] for r in group}) == 1

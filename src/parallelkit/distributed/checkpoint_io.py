@@ -45,7 +45,32 @@ def fqn_optimizer_states(checkpoint: dict[str, Any], names: list[str]) -> list[d
     """The optimizer states of ``checkpoint`` in the FQN layout (``names``: parameter names, in index order)."""
     if "optimizer_states" in checkpoint:
         return [index_to_fqn(state, names) for state in checkpoint["optimizer_states"]]
-    return [checkpoint[k] for k in sorted((k for k in checkpoint if k.startswith("optimizer_")), key=lambda k: int(k.split("_")[1]))]
+    keys = sorted((k for k in checkpoint if k.startswith("optimizer_")), key=lambda k: int(k.split("_")[1]))
+    return [merge_rank_keyed_groups(checkpoint[k], names) for k in keys]
+
+
+#: the prefix of a checkpoint's per-rank optimizer groups (pipeline stages, expert shards: MeshStrategy.param_groups_key).
+PARAM_GROUPS = "param_groups"
+
+
+def merge_rank_keyed_groups(state: dict[str, Any], names: list[str]) -> dict[str, Any]:
+    """One FQN-layout optimizer state whose ``param_groups`` list every parameter, from a checkpoint whose ranks
+    saved their groups under their own keys (``param_groups_stages_0``, ``param_groups_stages_1``, ...: ranks that hold
+    different parameters). Group ``i`` keeps the hyperparameters of the first key that has it (every rank's group
+    ``i`` is built by the same ``configure_optimizers``) and the parameters of all, in model order (``names``)."""
+    keyed = sorted(k for k in state if k.startswith(PARAM_GROUPS + "_"))
+    if PARAM_GROUPS in state or not keyed:
+        return state
+    order = {name: i for i, name in enumerate(names)}
+    groups: list[dict[str, Any]] = []
+    for key in keyed:
+        for i, group in enumerate(state[key]):
+            if i == len(groups):
+                groups.append({**group, "params": []})
+            groups[i]["params"] += [p for p in group["params"] if p not in groups[i]["params"]]
+    for group in groups:
+        group["params"].sort(key=lambda p: order.get(p, len(order)))
+    return {"state": state.get("state", {}), PARAM_GROUPS: groups}
 
 
 def index_to_fqn(state: dict[str, Any], names: list[str]) -> dict[str, Any]:

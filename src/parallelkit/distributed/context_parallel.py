@@ -1,434 +1,237 @@
-"""Context parallelism: attention over a sequence split across the ranks of a ``cp`` process group.
+"""Context parallelism applied to a model: each of ``cp`` ranks holds a part of every sequence.
 
-Every layer but attention works token by token, so a sequence cut into ``cp`` shards needs help only in
-attention, where each query looks at every earlier key. Two ways to give it that:
+Every layer but attention works token by token, so a model runs on a sequence shard unchanged except for three
+things, which :func:`apply_cp` provides from the model's :class:`ContextParallelPlan` (model code stays
+single-device; the plan names modules, as tensor parallelism's does):
 
-- **Ring attention** (:func:`ring_attention`): the key/value shards travel around the ring of ``cp`` ranks,
-  one hop per step, while each rank computes its queries against the block it holds. Block results are
-  merged with the log-sum-exp rule (online softmax), so the result is exact and no rank ever holds the whole
-  sequence. Backward recomputes each block from the saved per-row log-sum-exp, and the key/value gradients
-  travel around the ring behind the keys/values they belong to, arriving home after ``cp`` hops.
-- **All-to-all attention** (:func:`ulysses_attention`, DeepSpeed-Ulysses): one all-to-all trades sequence
-  shards for head shards, each rank attends over the whole sequence for ``heads / cp`` heads, and a second
-  all-to-all trades back. Cheaper in messages, but ``cp`` is bounded by the head count.
+1. **The batch**: every tensor with a sequence dimension (token ids, targets, masks: dim 1) is cut to this rank's
+   two chunks of the load-balanced layout (:func:`~parallelkit.distributed.context_parallel_attention.load_balanced_shard`),
+   right after the batch reaches the device (:meth:`ContextParallel.cut_batch`, the strategy's ``batch_to_device``).
+   The ``cp`` ranks read the same batch (their data-parallel rank is the same), so the cut is as deterministic and
+   resumable as the loader; the sequence length must divide by ``2·cp``.
+2. **Positions**: the modules that turn position ids into embeddings (GPT's learned ``pos_emb``, a rotary
+   embedding) receive the ids of this rank's tokens in the *whole* sequence, not ``0 … seq/cp − 1``.
+3. **Attention**: inside the plan's attention modules, ``F.scaled_dot_product_attention`` is replaced (a
+   ``TorchFunctionMode`` around their forward, as torchtitan's context parallel does) by ring attention or
+   all-to-all (Ulysses) attention over the ``cp`` group. Its causal mask (``is_causal``, or the causal mask a
+   Hugging Face model builds for the local length) becomes the mask of the whole sequence. An attention module
+   that computes attention some other way (``attn_implementation=eager``) is an error at its first call, never a
+   silently local attention.
 
-**Load-balanced layout.** Under a causal mask, a rank holding the *last* contiguous shard does ``2cp − 1``
-times the work of the first one. The sequence is therefore cut into ``2·cp`` chunks and rank ``r`` holds
-chunks ``r`` and ``2·cp − 1 − r`` (a head and the mirrored tail): every rank then computes exactly
-``2·cp + 1`` (query chunk, key chunk) blocks, the ``cp·(2cp + 1)`` blocks of the causal triangle shared
-evenly, and none of the fully masked ones. :func:`load_balanced_shard` / :func:`load_balanced_unshard` /
-:func:`load_balanced_positions` implement it; the data (token ids, targets, position ids) must be laid out
-the same way before the model sees it.
+The loss each rank computes is the mean over its tokens; with equal token counts per rank, averaging gradients over
+``cp`` (the data-parallel gradient average spans ``dp × sharding × cp``) gives the gradient of the mean over the
+whole sequence, as one process computes it.
 
-Traffic is counted under ``cp_ring_p2p`` (ring sends/receives) and ``cp_all_to_all``
-(:func:`~parallelkit.distributed.comm_counting.counting`).
+**Which mode.** Ring attention (default) sends each rank's keys and values around the ring, overlapped with block
+compute: ``(3·cp − 2) × 2·|k|`` bytes per rank and layer (forward + backward), any ``cp``, GQA key/value heads travel
+un-repeated. All-to-all sends q, k, v and the output once each way (8 all-to-alls of ``(cp − 1)/cp`` of a tensor per
+layer), fewer and larger messages, but ``cp`` must divide the heads (key/value heads too, or be divided by them):
+prefer it on fast links with many heads, ring attention for large ``cp`` or few key/value heads.
 """
 
 from __future__ import annotations
 
-import math
+import contextlib
+import fnmatch
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.nn import functional as F
+from torch.overrides import TorchFunctionMode
 
-from parallelkit.distributed.comm_counting import counting
-from parallelkit.distributed.comm_stats import CommStats
+from parallelkit.distributed.context_parallel_attention import (  # noqa: F401 - re-exported: the technique's API
+    CP_ALL_TO_ALL,
+    CP_RING_P2P,
+    RingCounts,
+    check_gqa,
+    check_ulysses_heads,
+    load_balanced_positions,
+    load_balanced_shard,
+    load_balanced_unshard,
+    ring_attention,
+    ring_payload_bytes,
+    ulysses_attention,
+)
 from parallelkit.errors import ConfigError
 
-CP_RING_P2P = "cp_ring_p2p"
-CP_ALL_TO_ALL = "cp_all_to_all"
-# Distinct tags keep the key/value messages and the gradient messages apart: both can be in flight between the
-# same two ranks at once in backward.
-_KV_TAG, _GRAD_TAG = 11, 12
+#: ``strategy.cp_mode`` values.
+CP_MODES = ("ring", "ulysses")
 
 
-# ------------------------------------------------------------------------------------------ the layout
-def _check_divisible(seq_len: int, cp: int) -> int:
-    if cp < 1:
-        raise ConfigError(f"cp={cp} should be an int greater than 0.")
-    if seq_len % (2 * cp):
-        raise ConfigError(f"data.seq_len={seq_len} must divide by 2·cp = {2 * cp}: context parallelism cuts the sequence "
-                          f"into 2·cp chunks (a head and a mirrored tail per rank, so causal work is balanced). "
-                          f"Pick a sequence length that is a multiple of {2 * cp}, or another cp.")
-    return seq_len // (2 * cp)
-
-
-def load_balanced_positions(seq_len: int, cp: int, rank: int) -> torch.Tensor:
-    """Position ids (in the full sequence) of the tokens rank ``rank`` holds in the load-balanced layout.
-
-    Example::
-
-        load_balanced_positions(8, cp=2, rank=0)     # tensor([0, 1, 6, 7])
-    """
-    chunk = _check_divisible(seq_len, cp)
-    _check_rank(rank, cp)
-    tail = 2 * cp - 1 - rank
-    return torch.cat([torch.arange(rank * chunk, (rank + 1) * chunk), torch.arange(tail * chunk, (tail + 1) * chunk)])
-
-
-def load_balanced_shard(x: torch.Tensor, cp: int, rank: int, dim: int = 1) -> torch.Tensor:
-    """This rank's part of ``x`` along ``dim`` (the sequence): chunks ``rank`` and ``2·cp − 1 − rank`` of ``2·cp``.
-
-    Autograd-aware (a concatenation of two slices).
-
-    Example::
-
-        local = load_balanced_shard(tokens, cp=4, rank=1)     # (batch, seq / 4): chunks 1 and 6 of 8
-    """
-    chunk = _check_divisible(x.shape[dim], cp)
-    _check_rank(rank, cp)
-    return torch.cat([x.narrow(dim, rank * chunk, chunk), x.narrow(dim, (2 * cp - 1 - rank) * chunk, chunk)], dim=dim)
-
-
-def load_balanced_unshard(parts: list[torch.Tensor] | tuple[torch.Tensor, ...], cp: int, dim: int = 1) -> torch.Tensor:
-    """The full sequence from every rank's part (``parts[r]`` from :func:`load_balanced_shard` on rank ``r``).
-
-    Example::
-
-        full = load_balanced_unshard([load_balanced_shard(x, 2, r) for r in range(2)], cp=2)   # == x
-    """
-    if len(parts) != cp:
-        raise ValueError(f"load_balanced_unshard: got {len(parts)} parts for cp={cp}")
-    chunks: list[Any] = [None] * (2 * cp)
-    for rank, part in enumerate(parts):
-        if part.shape[dim] % 2:
-            raise ValueError(f"load_balanced_unshard: part {rank} has odd length {part.shape[dim]} along dim {dim}")
-        chunks[rank], chunks[2 * cp - 1 - rank] = part.chunk(2, dim=dim)
-    return torch.cat(chunks, dim=dim)
-
-
-def _check_rank(rank: int, cp: int) -> None:
-    if not 0 <= rank < cp:
-        raise ValueError(f"rank {rank} is not in the cp group of size {cp}")
-
-
-def _chunk_ids(rank: int, cp: int) -> tuple[int, int]:
-    return rank, 2 * cp - 1 - rank
-
-
-# --------------------------------------------------------------------------------- shared checks and math
-def check_gqa(num_heads: int, num_kv_heads: int) -> int:
-    """Query heads per key/value head; :class:`ConfigError` if the key/value heads do not divide the query heads.
-
-    Example::
-
-        check_gqa(8, 2)     # 4
-    """
-    if num_kv_heads < 1 or num_heads % num_kv_heads:
-        raise ConfigError(f"model heads={num_heads} must be a multiple of the key/value heads={num_kv_heads} (grouped-query attention).")
-    return num_heads // num_kv_heads
-
-
-def check_ulysses_heads(num_heads: int, num_kv_heads: int, cp: int) -> None:
-    """:class:`ConfigError` unless all-to-all attention can give each of ``cp`` ranks whole heads.
-
-    Query heads must divide by ``cp``; key/value heads too, or (fewer of them than ``cp``) divide ``cp`` so
-    that each can be repeated up to ``cp`` heads.
-
-    Example::
-
-        check_ulysses_heads(8, 2, cp=4)     # fine: each key/value head is repeated twice
-    """
-    check_gqa(num_heads, num_kv_heads)
-    if num_heads % cp:
-        raise ConfigError(f"model heads={num_heads} must divide by cp={cp} for all-to-all (Ulysses) context parallelism: "
-                          f"each rank attends over the whole sequence for heads / cp heads. Use ring attention or a cp that divides {num_heads}.")
-    if num_kv_heads % cp and cp % num_kv_heads:
-        raise ConfigError(f"model key/value heads={num_kv_heads} must divide by cp={cp}, or divide it, for all-to-all (Ulysses) "
-                          f"context parallelism. Use ring attention or another cp.")
-
-
-def _repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
-    # Query head i uses key/value head i // groups: SDPA's enable_gqa and transformers' repeat_kv agree.
-    return x if groups == 1 else x.repeat_interleave(groups, dim=1)
-
-
-def _sum_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
-    """The gradient of :func:`_repeat_kv`: sum each group of repeated heads."""
-    if groups == 1:
-        return x
-    b, h, s, d = x.shape
-    return x.view(b, h // groups, groups, s, d).sum(2)
-
-
-def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, diagonal: bool) -> torch.Tensor:
-    s = torch.matmul(q, k.transpose(-1, -2)) * scale
-    if diagonal:  # same chunk for queries and keys: the usual lower triangle, diagonal included
-        n = s.shape[-1]
-        s = s.masked_fill(torch.ones(n, n, dtype=torch.bool, device=s.device).triu(1), float("-inf"))
-    return s
-
-
-@dataclass
-class RingCounts:
-    """(query chunk, key chunk) blocks one rank computed and skipped (fully masked) in :func:`ring_attention`.
-
-    Pass one as ``counts=`` and read it after forward (and backward): with the load-balanced layout every
-    rank computes ``2·cp + 1`` blocks per pass out of ``4·cp``.
-
-    Example::
-
-        counts = RingCounts()
-        ring_attention(q, k, v, group, counts=counts).backward(grad)
-        counts.forward_blocks, counts.skipped_blocks     # (2·cp + 1, 2·cp − 1)
-    """
-
-    forward_blocks: int = 0
-    backward_blocks: int = 0
-    skipped_blocks: int = 0
-
-
-def _block_pairs(rank: int, src: int, cp: int, causal: bool) -> list[tuple[int, int, bool]]:
-    """``(query half, key half, diagonal)`` for the blocks rank ``rank`` computes against rank ``src``'s keys.
-
-    Chunk ids give the mask: keys of a later chunk are all masked (skipped), of an earlier chunk all
-    visible, of the same chunk causal within it.
-    """
-    pairs = []
-    for qi, q_chunk in enumerate(_chunk_ids(rank, cp)):
-        for ki, k_chunk in enumerate(_chunk_ids(src, cp)):
-            if not causal or k_chunk < q_chunk:
-                pairs.append((qi, ki, False))
-            elif k_chunk == q_chunk:
-                pairs.append((qi, ki, True))
-    return pairs
-
-
-class _Ring:
-    """One ring exchange: send a buffer to the next group rank, receive the same shape from the previous one."""
-
-    def __init__(self, group: Any, stats: CommStats | None) -> None:
-        self.group, self.stats = group, stats
-        self.size, self.rank = dist.get_world_size(group), dist.get_rank(group)
-
-    def start(self, buffer: torch.Tensor, tag: int) -> tuple[torch.Tensor, list]:
-        received = torch.empty_like(buffer)
-        ops = [dist.P2POp(dist.isend, buffer, group=self.group, group_peer=(self.rank + 1) % self.size, tag=tag),
-               dist.P2POp(dist.irecv, received, group=self.group, group_peer=(self.rank - 1) % self.size, tag=tag)]
-        with counting(self.stats, CP_RING_P2P):
-            works = dist.batch_isend_irecv(ops)
-        return received, works
-
-    @staticmethod
-    def finish(pending: tuple[torch.Tensor, list]) -> torch.Tensor:
-        received, works = pending
-        for work in works:
-            work.wait()
-        return received
-
-
-class _RingAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, group, causal, scale, stats, counts, lse_merge):
-        ring = _Ring(group, stats)
-        groups = q.shape[1] // k.shape[1]
-        work_dtype = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
-        q_halves = q.to(work_dtype).chunk(2, dim=2)
-        # k and v travel as one buffer: one message per hop instead of two.
-        kv = torch.stack([k, v]).contiguous()
-        outs: list[Any] = [None, None]
-        lses: list[Any] = [None, None]
-        for step in range(ring.size):
-            src = (ring.rank - step) % ring.size
-            # Start the next hop before computing on this block: the transfer overlaps the compute.
-            pending = ring.start(kv, _KV_TAG) if step < ring.size - 1 else None
-            k_halves, v_halves = (t.to(work_dtype).chunk(2, dim=2) for t in kv)
-            pairs = _block_pairs(ring.rank, src, ring.size, causal)
-            if counts is not None:
-                counts.forward_blocks += len(pairs)
-                counts.skipped_blocks += 4 - len(pairs)
-            for qi, ki, diagonal in pairs:
-                s = _scores(q_halves[qi], _repeat_kv(k_halves[ki], groups), scale, diagonal)
-                lse = torch.logsumexp(s, dim=-1)
-                out = torch.matmul(torch.exp(s - lse.unsqueeze(-1)), _repeat_kv(v_halves[ki], groups))
-                if outs[qi] is None:
-                    outs[qi], lses[qi] = out, lse
-                elif lse_merge:
-                    # Each block's softmax was normalised over its own keys only; reweight both sides by their
-                    # share of the combined normaliser exp(lse_total).
-                    total = torch.logaddexp(lses[qi], lse)
-                    outs[qi] = outs[qi] * torch.exp(lses[qi] - total).unsqueeze(-1) + out * torch.exp(lse - total).unsqueeze(-1)
-                    lses[qi] = total
-                else:  # the negative control of the tests: blocks averaged, normalisers ignored (wrong)
-                    outs[qi] = (outs[qi] + out) / 2
-            if pending is not None:
-                kv = _Ring.finish(pending)
-        out = torch.cat(outs, dim=2)
-        lse = torch.cat(lses, dim=2)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.causal, ctx.scale, ctx.stats, ctx.counts = group, causal, scale, stats, counts
-        return out.to(q.dtype)
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        q, k, v, out, lse = ctx.saved_tensors
-        ring = _Ring(ctx.group, ctx.stats)
-        groups = q.shape[1] // k.shape[1]
-        work_dtype = out.dtype
-        q_halves = q.to(work_dtype).chunk(2, dim=2)
-        do = grad_out.to(work_dtype)
-        do_halves = do.chunk(2, dim=2)
-        lse_halves = lse.chunk(2, dim=2)
-        # softmax backward's row term: sum_j P_ij dP_ij = rowsum(dO ∘ O).
-        delta_halves = (do * out).sum(-1).chunk(2, dim=2)
-        dq_halves = [torch.zeros_like(h) for h in q_halves]
-        kv = torch.stack([k, v]).contiguous()
-        grad_pending = None  # the gradient accumulated so far for the keys/values this rank holds now
-        for step in range(ring.size):
-            src = (ring.rank - step) % ring.size
-            kv_pending = ring.start(kv, _KV_TAG) if step < ring.size - 1 else None
-            k_halves, v_halves = (t.to(work_dtype).chunk(2, dim=2) for t in kv)
-            dkv = torch.zeros(kv.shape, dtype=work_dtype, device=kv.device)  # this step's contributions
-            pairs = _block_pairs(ring.rank, src, ring.size, ctx.causal)
-            if ctx.counts is not None:
-                ctx.counts.backward_blocks += len(pairs)
-            for qi, ki, diagonal in pairs:
-                kr, vr = _repeat_kv(k_halves[ki], groups), _repeat_kv(v_halves[ki], groups)
-                # Recompute the block's probabilities with the final row normaliser: P is then the block of
-                # the full softmax, and the usual attention backward applies block by block.
-                p = torch.exp(_scores(q_halves[qi], kr, ctx.scale, diagonal) - lse_halves[qi].unsqueeze(-1))
-                dp = torch.matmul(do_halves[qi], vr.transpose(-1, -2))
-                ds = p * (dp - delta_halves[qi].unsqueeze(-1))
-                dq_halves[qi] += torch.matmul(ds, kr) * ctx.scale
-                half = slice(ki * kv.shape[3] // 2, (ki + 1) * kv.shape[3] // 2)
-                dkv[0, :, :, half] += _sum_kv(torch.matmul(ds.transpose(-1, -2), q_halves[qi]) * ctx.scale, groups)
-                dkv[1, :, :, half] += _sum_kv(torch.matmul(p.transpose(-1, -2), do_halves[qi]), groups)
-            if grad_pending is not None:  # received while this step computed: the earlier ranks' contributions
-                dkv += _Ring.finish(grad_pending)
-            # Pass the gradient on behind its keys/values; after cp hops it is back on the rank that owns them.
-            grad_pending = ring.start(dkv, _GRAD_TAG) if ring.size > 1 else (dkv, [])
-            if kv_pending is not None:
-                kv = _Ring.finish(kv_pending)
-        dkv = _Ring.finish(grad_pending)
-        dq = torch.cat(dq_halves, dim=2).to(q.dtype)
-        return dq, dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None, None
-
-
-def _check_attention_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> int:
-    if q.dim() != 4 or k.shape != v.shape or k.dim() != 4 or q.shape[0] != k.shape[0] or q.shape[2:] != k.shape[2:]:
-        raise ValueError(f"expected q (batch, heads, local_seq, head_dim) and k, v (batch, kv_heads, local_seq, head_dim) "
-                         f"with the same batch, local_seq and head_dim; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
-    if q.shape[2] % 2:
-        raise ConfigError(f"the local sequence ({q.shape[2]} tokens) must be two chunks of the load-balanced layout: "
-                          f"shard with load_balanced_shard (data.seq_len must divide by 2·cp).")
-    return check_gqa(q.shape[1], k.shape[1])
-
-
-def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Any = None, *, causal: bool = True,
-                   scale: float | None = None, stats: CommStats | None = None, counts: RingCounts | None = None,
-                   _lse_merge: bool = True) -> torch.Tensor:
-    """Exact attention over a sequence split across ``group`` in the load-balanced layout, by ring exchange.
+@dataclass(frozen=True)
+class ContextParallelPlan:
+    """How context parallelism meets one model (a model's ``context_parallel_plan(model)`` returns it).
 
     Args:
-        q: this rank's queries, (batch, heads, local_seq, head_dim), in the layout of :func:`load_balanced_shard`.
-        k, v: this rank's keys and values, (batch, kv_heads, local_seq, head_dim); ``kv_heads`` divides ``heads``
-            (grouped-query attention: they travel un-repeated, and are repeated only for the compute).
-        group: the ``cp`` process group (``None``: the default group).
-        causal: mask each query from later positions (of the full sequence).
-        scale: score scale, ``1 / sqrt(head_dim)`` by default (as SDPA).
-        stats: counts the sends/receives under ``cp_ring_p2p``; ``None``: not counted.
-        counts: a :class:`RingCounts` the blocks computed/skipped are added to (forward and backward).
-        _lse_merge: tests only: ``False`` merges blocks by plain averaging (deliberately wrong).
-
-    Returns:
-        This rank's attention output, like ``q`` (the same layout).
-
-    Traffic per rank (forward + backward): keys and values (one buffer of ``2·|k|`` bytes) hop ``cp − 1`` times
-    in forward and again in backward, and their gradients (``2·|k|``) ``cp`` times: ``(3·cp − 2)`` messages of
-    ``2·|k|`` bytes (:func:`ring_payload_bytes`).
-
-    Example::
-
-        q_local = load_balanced_shard(q, cp, rank, dim=2)          # likewise k, v
-        out = ring_attention(q_local, k_local, v_local, cp_group)   # == shard of SDPA(q, k, v, is_causal=True)
+        attention: module names (``fnmatch`` patterns, ``layers.*.attn``) whose forward computes attention with
+            ``F.scaled_dot_product_attention``.
+        positions: modules that take position ids (as their first argument or ``position_ids=``): a learned
+            position embedding, a rotary embedding.
+        heads / kv_heads: attention heads and key/value heads (all-to-all attention splits them over ``cp``).
     """
-    _check_attention_inputs(q, k, v)
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    return _RingAttention.apply(q, k, v, group, causal, scale, stats, counts, _lse_merge)
+
+    attention: tuple[str, ...]
+    positions: tuple[str, ...] = ()
+    heads: int = 1
+    kv_heads: int = 1
 
 
-def ring_payload_bytes(kv_bytes: int, cp: int, backward: bool = True) -> int:
-    """Payload bytes one rank sends in :func:`ring_attention` (``kv_bytes``: its local ``k`` in bytes; ``v`` the same).
-
-    Forward: ``(cp − 1)`` hops of ``k`` and ``v``; backward: ``(cp − 1)`` again plus ``cp`` hops of their gradients.
-    Transport overheads (gloo's message preambles) are not included: see ``comm_stats.wire_bytes``.
-
-    Example::
-
-        ring_payload_bytes(k_local.numel() * k_local.element_size(), cp=4)   # 10 hops × 2·|k|
-    """
-    hops = (cp - 1) + ((2 * cp - 1) if backward else 0)
-    return hops * 2 * kv_bytes if cp > 1 else 0
+def check_context_parallel(plan: ContextParallelPlan, cp: int, mode: str, *, tp: int = 1, seq_len: int | None = None) -> None:
+    """Before launch: ``mode`` exists, all-to-all can split the heads (those left after tensor parallelism), the
+    sequence divides into ``2·cp`` chunks."""
+    if mode not in CP_MODES:
+        raise ConfigError(f"strategy.cp_mode must be one of {', '.join(CP_MODES)}. Got {mode!r}.")
+    if mode == "ulysses":
+        check_ulysses_heads(plan.heads // tp, max(plan.kv_heads // tp, 1), cp)
+    if seq_len is not None:
+        load_balanced_positions(seq_len, cp, 0)  # raises with the data.seq_len message
 
 
-# ---------------------------------------------------------------------------------------- all-to-all
-class _AllToAll(torch.autograd.Function):
-    """Equal-split ``all_to_all_single`` along dim 0; its gradient is the same exchange (it is its own inverse)."""
+class ContextParallel:
+    """What :func:`apply_cp` made: the batch cut, the position map and the attention of one rank of a ``cp`` group."""
 
-    @staticmethod
-    def forward(ctx, x, group, stats):
-        ctx.group, ctx.stats = group, stats
-        return _all_to_all(x, group, stats)
+    def __init__(self, group: Any, cp: int, rank: int, mode: str, comm_stats: Any = None) -> None:
+        self.group, self.cp, self.rank, self.mode, self.comm_stats = group, cp, rank, mode, comm_stats
+        self.counts = RingCounts()  # blocks computed / skipped by ring attention on this rank
+        self.attention_calls = 0
+        self._positions: dict[tuple[int, str], torch.Tensor] = {}
 
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_to_all(grad, ctx.group, ctx.stats), None, None
+    def cut_batch(self, batch: Any) -> Any:
+        """This rank's part of every tensor with a sequence dimension (dim 1) in ``batch`` (any nesting)."""
+        from lightning.fabric.utilities.apply_func import apply_to_collection
+
+        def cut(t: torch.Tensor) -> torch.Tensor:
+            return load_balanced_shard(t, self.cp, self.rank, dim=1) if t.dim() >= 2 else t
+
+        return apply_to_collection(batch, torch.Tensor, cut)
+
+    def global_positions(self, ids: torch.Tensor) -> torch.Tensor:
+        """Local position ids ``0 … n − 1`` → the positions of this rank's tokens in the whole sequence of ``n·cp``."""
+        from torch.distributed.tensor import DTensor
+
+        if isinstance(ids, DTensor):  # tensor parallelism hands a module with replicated parameters replicated inputs
+            return DTensor.from_local(self.global_positions(ids.to_local()), ids.device_mesh, ids.placements, run_check=False)
+        n = ids.shape[-1]
+        key = (n, str(ids.device))
+        if key not in self._positions:
+            self._positions[key] = load_balanced_positions(n * self.cp, self.cp, self.rank).to(ids.device)
+        table = self._positions[key]
+        if not torch.equal(ids, torch.arange(n, device=ids.device).expand_as(ids)):
+            raise ConfigError("context parallelism maps position ids 0 … n−1 of a sequence shard to the whole sequence's; "
+                              "this model passed other ids (packed sequences or a cache), which it cannot place.")
+        return table[ids]
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None = None,
+                  dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False) -> torch.Tensor:
+        """``F.scaled_dot_product_attention``'s signature, over the whole sequence of the ``cp`` group."""
+        self.attention_calls += 1
+        if dropout_p:
+            raise ConfigError(f"attention dropout ({dropout_p}) under context parallelism: no rank holds a whole row of "
+                              "attention scores to drop from. Set the model's attention dropout to 0.")
+        if attn_mask is not None:
+            _check_local_causal(attn_mask, q.shape[2], k.shape[2])
+            is_causal = True
+        if self.mode == "ulysses":
+            return ulysses_attention(q, k, v, self.group, causal=is_causal, scale=scale, stats=self.comm_stats)
+        return ring_attention(q, k, v, self.group, causal=is_causal, scale=scale, stats=self.comm_stats, counts=self.counts)
+
+    def summary(self) -> dict[str, Any]:
+        """For ``summary.json``: the degree, the mode and, for ring attention, the blocks each rank of the cp group
+        computed and skipped (the load balance). Collective over the group: every rank calls it."""
+        import torch.distributed as dist
+
+        from parallelkit.distributed.comm_counting import counting
+        from parallelkit.distributed.comm_stats import REPORT
+
+        out: dict[str, Any] = {"cp": self.cp, "mode": self.mode}
+        if self.mode == "ring":
+            mine = torch.tensor([self.counts.forward_blocks, self.counts.backward_blocks, self.counts.skipped_blocks])
+            rows = [torch.zeros_like(mine) for _ in range(self.cp)]
+            report = self.comm_stats.counting_as(REPORT) if self.comm_stats is not None else contextlib.nullcontext()
+            with report, counting(self.comm_stats, "metrics"):  # as the strategy's own report: not a training step's traffic
+                dist.all_gather(rows, mine, group=self.group)
+            out.update(blocks_computed_forward=[int(r[0]) for r in rows], blocks_computed_backward=[int(r[1]) for r in rows],
+                       blocks_skipped=[int(r[2]) for r in rows])
+        return out
 
 
-def _all_to_all(x: torch.Tensor, group: Any, stats: CommStats | None) -> torch.Tensor:
-    x = x.contiguous()
-    out = torch.empty_like(x)
-    with counting(stats, CP_ALL_TO_ALL):
-        dist.all_to_all_single(out, x, group=group)
-    return out
+def _check_local_causal(mask: torch.Tensor, q_len: int, k_len: int) -> None:
+    """The mask a model built for its local sequence must be the plain causal one (it is then the whole sequence's)."""
+    allowed = mask if mask.dtype == torch.bool else mask == 0
+    causal = torch.ones(q_len, k_len, dtype=torch.bool, device=mask.device).tril()
+    if allowed.shape[-2:] != causal.shape or not bool((allowed == causal).all()):
+        raise ConfigError("context parallelism supports causal (or full) attention; this model passed another attention "
+                          "mask (padding, sliding window, packed documents), which the sequence shards cannot rebuild.")
 
 
-def _seq_to_heads(x: torch.Tensor, cp: int, group: Any, stats: CommStats | None) -> torch.Tensor:
-    """(b, h, local_seq, d), load-balanced sequence shard → (b, h / cp, seq, d), head shard, natural order."""
-    b, h, s, d = x.shape
-    # Block j of dim 0 goes to rank j: heads [j·h/cp, (j+1)·h/cp).
-    received = _AllToAll.apply(x.reshape(b, cp, h // cp, s, d).transpose(0, 1), group, stats)
-    return load_balanced_unshard(list(received.unbind(0)), cp, dim=2)
+class _AttentionOverride(TorchFunctionMode):
+    """Replaces ``F.scaled_dot_product_attention`` with context-parallel attention while it is active."""
+
+    def __init__(self, handle: ContextParallel) -> None:
+        super().__init__()
+        self.handle = handle
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            return self.handle.attention(*args, **kwargs)
+        return func(*args, **kwargs)
 
 
-def _heads_to_seq(x: torch.Tensor, cp: int, group: Any, stats: CommStats | None) -> torch.Tensor:
-    """The inverse of :func:`_seq_to_heads`."""
-    send = torch.stack([load_balanced_shard(x, cp, r, dim=2) for r in range(cp)])  # block r: rank r's tokens
-    received = _AllToAll.apply(send, group, stats)  # block j: head shard j of my tokens
-    cp_, b, hl, s, d = received.shape
-    return received.transpose(0, 1).reshape(b, cp_ * hl, s, d)
+def _wrap_attention(module: torch.nn.Module, name: str, handle: ContextParallel) -> None:
+    forward = module.forward
+
+    def forward_over_cp(*args: Any, **kwargs: Any) -> Any:
+        before = handle.attention_calls
+        with _AttentionOverride(handle):
+            out = forward(*args, **kwargs)
+        if handle.attention_calls == before:
+            raise ConfigError(f"{name} ({type(module).__name__}) is named by the context-parallel plan but computed attention "
+                              "without F.scaled_dot_product_attention, which context parallelism replaces (for Hugging Face "
+                              "models: model.attn_implementation=sdpa).")
+        return out
+
+    module.forward = forward_over_cp  # an instance attribute: the class (and every other instance) is untouched
 
 
-def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Any = None, *, causal: bool = True,
-                      scale: float | None = None, stats: CommStats | None = None) -> torch.Tensor:
-    """Exact attention over a sequence split across ``group``, by trading sequence shards for head shards.
+def _position_hook(handle: ContextParallel):
+    def hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if kwargs.get("position_ids") is not None:
+            kwargs["position_ids"] = handle.global_positions(kwargs["position_ids"])
+        elif args:
+            args = (handle.global_positions(args[0]),) + tuple(args[1:])
+        return args, kwargs
+
+    return hook
+
+
+def apply_cp(model: torch.nn.Module, cp_mesh: Any, plan: ContextParallelPlan, *, mode: str = "ring",
+             comm_stats: Any = None) -> ContextParallel:
+    """Give ``model``'s attention and position modules the whole sequence of the ``cp`` group (see the module docstring).
 
     Args:
-        q, k, v: as for :func:`ring_attention` (load-balanced layout; ``heads`` must divide by ``cp``; the
-            key/value heads must divide by ``cp``, or divide ``cp`` and are then repeated up to ``cp`` heads).
-        group: the ``cp`` process group (``None``: the default group).
-        causal: causal mask over the full sequence.
-        scale: score scale, ``1 / sqrt(head_dim)`` by default.
-        stats: counts the all-to-alls under ``cp_all_to_all`` (four in forward: q, k, v, the output; four in
-            backward: their gradients).
+        model: the single-device model (tensor-parallel already, if ``tp > 1``).
+        cp_mesh: the 1-D ``cp`` mesh (``mesh["cp"]``).
+        plan: the model's :class:`ContextParallelPlan`.
+        mode: ``ring`` or ``ulysses``.
+        comm_stats: counts the ring's and the all-to-alls' bytes.
 
     Returns:
-        This rank's attention output, like ``q``.
-
-    Example::
-
-        out = ulysses_attention(q_local, k_local, v_local, cp_group)   # heads % cp == 0
+        The :class:`ContextParallel` handle; the strategy cuts each batch with its :meth:`~ContextParallel.cut_batch`.
     """
-    groups = _check_attention_inputs(q, k, v)
-    cp = dist.get_world_size(group)
-    check_ulysses_heads(q.shape[1], k.shape[1], cp)
-    if k.shape[1] < cp:
-        # Fewer key/value heads than ranks: repeat each so that every rank receives the one its query heads use.
-        k, v = _repeat_kv(k, cp // k.shape[1]), _repeat_kv(v, cp // k.shape[1])
-        groups = q.shape[1] // cp
-    qh, kh, vh = (_seq_to_heads(t, cp, group, stats) for t in (q, k, v))
-    out = F.scaled_dot_product_attention(qh, _repeat_kv(kh, groups), _repeat_kv(vh, groups), is_causal=causal, scale=scale)
-    return _heads_to_seq(out, cp, group, stats)
+    cp = cp_mesh.size()
+    check_context_parallel(plan, cp, mode)
+    handle = ContextParallel(cp_mesh.get_group(), cp, cp_mesh.get_local_rank(), mode, comm_stats)
+    named = dict(model.named_modules())
+    for kind, patterns in (("attention", plan.attention), ("positions", plan.positions)):
+        for pattern in patterns:
+            found = [name for name in named if fnmatch.fnmatchcase(name, pattern)]
+            if not found:
+                raise ConfigError(f"the context-parallel plan's {kind} pattern {pattern!r} matches no module of {type(model).__name__}.")
+            for name in found:
+                if kind == "attention":
+                    _wrap_attention(named[name], name, handle)
+                else:
+                    named[name].register_forward_pre_hook(_position_hook(handle), with_kwargs=True)
+    return handle

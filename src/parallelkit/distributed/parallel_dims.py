@@ -1,7 +1,9 @@
 """All parallel degrees of a run, validated in one place, and the named device mesh built from them.
 
-Every strategy goes through :class:`ParallelDims`: a plain DDP run is ``dp = world``, a 4D run is
-``pp × dp × sharding × tp``. Expert parallelism (``ep``) is not a mesh axis of its own: experts are
+Every strategy goes through :class:`ParallelDims`: a plain DDP run is ``dp = world``, a 5D run is
+``pp × dp × sharding × cp × tp``. Context parallelism (``cp``) splits each sequence over ``cp`` ranks, which
+read the same batch (their data-parallel rank is the same) and hold the same parameters (their gradients are
+averaged with the data-parallel ones). Expert parallelism (``ep``) is not a mesh axis of its own: experts are
 spread over a slice of the data-parallel ranks (``dp × sharding``), so ``ep`` must divide that product.
 """
 
@@ -18,12 +20,16 @@ PP = "pp"
 DP = "dp"
 SHARDING = "sharding"
 TP = "tp"
+CP = "cp"
 EP = "ep"
 
-MESH_AXES = (PP, DP, SHARDING, TP)
+MESH_AXES = (PP, DP, SHARDING, CP, TP)
 # Outermost → innermost. The innermost axis gets adjacent ranks (same node, fastest links), so tensor
-# parallel (the heaviest traffic) goes last and pipeline parallel (light point-to-point traffic) first.
-DEFAULT_MESH_ORDER = (PP, DP, SHARDING, TP)
+# parallel (the heaviest traffic) goes last, context parallel (a key/value ring per layer) next to it, and
+# pipeline parallel (light point-to-point traffic) first.
+DEFAULT_MESH_ORDER = (PP, DP, SHARDING, CP, TP)
+# The data-parallel axes whose ranks average gradients, in mesh order: cp's ranks too (they saw other tokens).
+GRADIENT_AXES = (DP, SHARDING, CP)
 
 
 @dataclass(frozen=True)
@@ -40,8 +46,10 @@ class ParallelDims:
         sharding: ranks that shard the model state inside one replica group (ZeRO / FSDP).
         tp: tensor-parallel degree.
         pp: pipeline stages.
+        cp: context-parallel degree: ranks that hold parts of the same sequences.
         ep: expert-parallel degree; divides ``dp × sharding``.
-        mesh_order: axis order of the device mesh, outermost first.
+        mesh_order: axis order of the device mesh, outermost first (an order without ``cp``, written before it
+            existed, gets it just outside ``tp``).
 
     Example::
 
@@ -56,6 +64,7 @@ class ParallelDims:
     tp: int = 1
     pp: int = 1
     ep: int = 1
+    cp: int = 1
     mesh_order: tuple[str, ...] = field(default=DEFAULT_MESH_ORDER)
 
     @classmethod
@@ -68,11 +77,12 @@ class ParallelDims:
         tp: int = 1,
         pp: int = 1,
         ep: int = 1,
+        cp: int = 1,
         mesh_order: tuple[str, ...] | list[str] = DEFAULT_MESH_ORDER,
     ) -> ParallelDims:
-        """Resolve at most one ``-1`` among ``dp, sharding, tp, pp`` to the remaining ranks, then validate."""
+        """Resolve at most one ``-1`` among ``dp, sharding, cp, tp, pp`` to the remaining ranks, then validate."""
         _check_positive_int("world_size", world_size)
-        degrees = {DP: dp, SHARDING: sharding, TP: tp, PP: pp}
+        degrees = {DP: dp, SHARDING: sharding, CP: cp, TP: tp, PP: pp}
         free = _check_requested(degrees)
         if free:
             fixed = math.prod(v for v in degrees.values() if v != -1)
@@ -94,6 +104,7 @@ class ParallelDims:
         tp: int = 1,
         pp: int = 1,
         ep: int = 1,
+        cp: int = 1,
         mesh_order: tuple[str, ...] | list[str] = DEFAULT_MESH_ORDER,
     ) -> ParallelDims:
         """The degrees a strategy asks for before the world size is known (``-1``: the remaining ranks).
@@ -101,7 +112,7 @@ class ParallelDims:
         Each degree is checked now (a positive int, at most one ``-1``); :meth:`resolve` checks the product
         against the processes started.
         """
-        return cls(world_size=None, dp=dp, sharding=sharding, tp=tp, pp=pp, ep=ep, mesh_order=tuple(mesh_order))
+        return cls(world_size=None, dp=dp, sharding=sharding, tp=tp, pp=pp, ep=ep, cp=cp, mesh_order=tuple(mesh_order))
 
     def resolve(self, world_size: int) -> ParallelDims:
         """These degrees for ``world_size`` processes (a request's ``-1`` resolved), validated."""
@@ -114,7 +125,10 @@ class ParallelDims:
     def __post_init__(self) -> None:
         if not all(isinstance(axis, str) for axis in self.mesh_order):
             raise ConfigError(f"mesh_order must be a permutation of {list(MESH_AXES)}; got {list(self.mesh_order)}.")
-        object.__setattr__(self, "mesh_order", tuple(self.mesh_order))  # a list would make it unhashable
+        order = tuple(self.mesh_order)  # a list would make it unhashable
+        if CP not in order and TP in order:  # an order written before cp existed: cp just outside tp, as by default
+            order = order[:order.index(TP)] + (CP,) + order[order.index(TP):]
+        object.__setattr__(self, "mesh_order", order)
         if sorted(self.mesh_order) != sorted(MESH_AXES):
             raise ConfigError(
                 f"mesh_order must be a permutation of {list(MESH_AXES)}; got {list(self.mesh_order)}."
@@ -124,9 +138,9 @@ class ParallelDims:
             _check_requested(self.degrees)
             return
         _check_positive_int("world_size", self.world_size)
-        for name in (DP, SHARDING, TP, PP):
+        for name in (DP, SHARDING, CP, TP, PP):
             _check_positive_int(f"strategy.{name}", getattr(self, name))
-        product = self.dp * self.sharding * self.tp * self.pp
+        product = self.dp * self.sharding * self.cp * self.tp * self.pp
         if product != self.world_size:
             raise ConfigError(
                 f"{_product_text(self.degrees)} = {product}, but {self.world_size} processes were started. "
@@ -138,16 +152,24 @@ class ParallelDims:
                 f"strategy.ep={self.ep} must divide dp({self.dp}) × sharding({self.sharding}) = "
                 f"{self.dp * self.sharding}: experts are spread over data-parallel ranks."
             )
+        if self.cp > 1:
+            positions = [self.mesh_order.index(axis) for axis in GRADIENT_AXES]
+            if positions != list(range(positions[0], positions[0] + len(positions))):
+                raise ConfigError(
+                    f"strategy.mesh_order={list(self.mesh_order)} with strategy.cp={self.cp}: dp, sharding and cp must be "
+                    "adjacent and in that order (their ranks average gradients together, as one flattened mesh axis). "
+                    f"For example {list(DEFAULT_MESH_ORDER)}."
+                )
 
     # ------------------------------------------------------------------ views
     @property
     def degrees(self) -> dict[str, int]:
-        """The mesh degrees in canonical order (``dp, sharding, tp, pp``)."""
-        return {DP: self.dp, SHARDING: self.sharding, TP: self.tp, PP: self.pp}
+        """The mesh degrees in canonical order (``dp, sharding, cp, tp, pp``)."""
+        return {DP: self.dp, SHARDING: self.sharding, CP: self.cp, TP: self.tp, PP: self.pp}
 
     def as_dict(self) -> dict[str, int]:
-        """All five degrees, as written to ``summary.json``."""
-        return {DP: self.dp, SHARDING: self.sharding, TP: self.tp, PP: self.pp, EP: self.ep}
+        """All six degrees, as written to ``summary.json``."""
+        return {DP: self.dp, SHARDING: self.sharding, CP: self.cp, TP: self.tp, PP: self.pp, EP: self.ep}
 
     # Which techniques the degrees turn on (a request's -1 counts as on: it may take more than one rank).
     @property
@@ -165,6 +187,10 @@ class ParallelDims:
     @property
     def ep_enabled(self) -> bool:
         return self.ep != 1
+
+    @property
+    def cp_enabled(self) -> bool:
+        return self.cp != 1
 
     @property
     def data_parallel_size(self) -> int:
@@ -185,28 +211,29 @@ class ParallelDims:
             coords[axis] = rest % size
             rest //= size
         coords[EP] = self.data_parallel_rank(rank, coords) % self.ep
-        return {axis: coords[axis] for axis in (DP, SHARDING, TP, PP, EP)}
+        return {axis: coords[axis] for axis in (DP, SHARDING, CP, TP, PP, EP)}
 
     def data_parallel_rank(self, rank: int, coords: dict[str, int] | None = None) -> int:
-        """Index of this rank's data shard: ranks that differ only in ``tp``/``pp`` read the same batch."""
+        """Index of this rank's data shard: ranks that differ only in ``cp``/``tp``/``pp`` read the same batch (``cp``
+        ranks then keep their part of each sequence)."""
         coords = coords if coords is not None else self.coordinates(rank)
         return coords[DP] * self.sharding + coords[SHARDING]
 
     # ------------------------------------------------------------------ expert-parallel groups
     def data_parallel_groups(self) -> list[list[int]]:
-        """Global ranks that read different batches of the same model part: all ``dp × sharding`` ranks, per ``tp, pp``."""
-        return self._groups_by(lambda c: (c[PP], c[TP]), lambda c: self.data_parallel_rank(0, c))
+        """Global ranks that hold different tokens of the same model part: all ``dp × sharding × cp`` ranks, per ``tp, pp``."""
+        return self._groups_by(lambda c: (c[PP], c[TP]), lambda c: (self.data_parallel_rank(0, c), c[CP]))
 
     def expert_parallel_groups(self) -> list[list[int]]:
-        """Global ranks that share their tokens' experts: ``ep`` consecutive data-parallel ranks, per ``tp, pp``.
+        """Global ranks that share their tokens' experts: ``ep`` consecutive data-parallel ranks, per ``cp, tp, pp``.
 
         Every rank is in exactly one group; within a group the ranks are ordered by their ``ep`` index.
         """
-        return self._groups_by(lambda c: (c[PP], c[TP], self.data_parallel_rank(0, c) // self.ep), lambda c: c[EP])
+        return self._groups_by(lambda c: (c[PP], c[TP], c[CP], self.data_parallel_rank(0, c) // self.ep), lambda c: c[EP])
 
     def expert_data_parallel_groups(self) -> list[list[int]]:
-        """Global ranks that hold the same experts (same ``ep`` index): their expert gradients are averaged."""
-        return self._groups_by(lambda c: (c[PP], c[TP], c[EP]), lambda c: self.data_parallel_rank(0, c))
+        """Global ranks that hold the same experts (same ``ep`` index, any ``cp``): their expert gradients are averaged."""
+        return self._groups_by(lambda c: (c[PP], c[TP], c[EP]), lambda c: (self.data_parallel_rank(0, c), c[CP]))
 
     def _groups_by(self, key, order) -> list[list[int]]:
         groups: dict[tuple[int, ...], list[tuple[int, int]]] = {}
@@ -217,7 +244,7 @@ class ParallelDims:
 
     # ------------------------------------------------------------------ mesh
     def build_mesh(self, device_type: str):
-        """Build the named :class:`~torch.distributed.device_mesh.DeviceMesh` (all four axes, size-1 ones too).
+        """Build the named :class:`~torch.distributed.device_mesh.DeviceMesh` (all five axes, size-1 ones too).
 
         Every axis is always present so code can ask for ``mesh["tp"]`` without checking whether tensor
         parallelism is on. Requires an initialised default process group of ``world_size`` ranks.
@@ -268,7 +295,7 @@ def _check_requested(degrees: dict[str, int]) -> list[str]:
     free = [name for name, value in degrees.items() if value == -1]
     if len(free) > 1:
         raise ConfigError(
-            f"Only one of dp, sharding, tp, pp may be -1 (the remaining ranks); got -1 for {', '.join(free)}. "
+            f"Only one of dp, sharding, cp, tp, pp may be -1 (the remaining ranks); got -1 for {', '.join(free)}. "
             "Set all but one of them explicitly."
         )
     return free

@@ -6,7 +6,9 @@ order is torchtitan's (``parallelize_llama``), each step needing the previous on
 
 1. **TP (+ SP)** on the whole model, over the ``tp`` axis: parameters become DTensors; module names stay, so
    the pipeline cut below still finds them.
-2. **CP**: not an axis yet (the next one: one field in ``ParallelDims``, one ``apply_cp``, one line here).
+2. **CP**: the model's attention over the ``cp`` group (ring or all-to-all) and its positions those of the whole
+   sequence (:func:`~parallelkit.distributed.context_parallel.apply_cp`); the strategy cuts each batch with the
+   returned handle. Its ranks average gradients with the data-parallel ones (step 7).
 3. **EP** for a Mixture-of-Experts model: experts spread over ``ep`` consecutive data-parallel ranks, tokens
    routed by all-to-all; also at ``ep == 1`` for such a model, so that capacity is decided over all
    data-parallel ranks (the loss then does not depend on how the batch is split).
@@ -14,8 +16,8 @@ order is torchtitan's (``parallelize_llama``), each step needing the previous on
    (``recompute=``, ``compile=``), DDP and DeepSpeed included, before the strategy sees it.
 6. **Pipeline split**: this rank's stages cut out of the (TP- and EP-split) model by its pipeline plan.
 7. **FSDP / ZeRO / DP** on what this rank runs (the model, or its stages): FSDP2 over ``(dp, sharding)``
-   when ``sharding > 1`` at ZeRO stage 3 (HSDP when both are > 1, 2-D with TP), else a bucketed gradient
-   all-reduce over ``dp`` (stages 1-2 shard the optimizer over ``sharding`` once it exists:
+   when ``sharding > 1`` at ZeRO stage 3 (HSDP when both are > 1, 2-D with TP; sharded over ``sharding × cp``
+   with CP), else a bucketed gradient all-reduce over ``dp`` (``dp × cp`` with CP) (stages 1-2 shard the optimizer over ``sharding`` once it exists:
    :func:`apply_optimizer_sharding`). Expert parameters are left out and averaged over the ranks holding
    the same experts.
 8. **Pipeline schedule** around the (sharded) stages: FSDP2 must wrap the modules the schedule runs; weights tied
@@ -35,11 +37,25 @@ import torch
 import torch.distributed as dist
 
 from parallelkit.distributed.blocks import select_units
-from parallelkit.distributed.expert_parallel import ExpertParallelHandle, apply_ep, check_expert_parallel
+from parallelkit.distributed.context_parallel import ContextParallel, apply_cp
+from parallelkit.distributed.expert_parallel import (
+    ExpertParallelHandle,
+    apply_ep,
+    check_expert_parallel,
+)
 from parallelkit.distributed.fsdp import apply_fsdp, is_sharded
-from parallelkit.distributed.grad_sync import DEFAULT_BUCKET_MB, GradAllReduce, apply_grad_allreduce
-from parallelkit.distributed.parallel_dims import DP, PP, SHARDING, TP, ParallelDims
-from parallelkit.distributed.pipeline_parallel import PipelineParallel, apply_pp, stage_blocks, stage_ids_for_rank
+from parallelkit.distributed.grad_sync import (
+    DEFAULT_BUCKET_MB,
+    GradAllReduce,
+    apply_grad_allreduce,
+)
+from parallelkit.distributed.parallel_dims import CP, DP, PP, SHARDING, TP, ParallelDims
+from parallelkit.distributed.pipeline_parallel import (
+    PipelineParallel,
+    apply_pp,
+    stage_blocks,
+    stage_ids_for_rank,
+)
 from parallelkit.distributed.tensor_parallel import apply_tp
 from parallelkit.distributed.tied_weights import apply_tied_embedding_sync
 from parallelkit.errors import ConfigError
@@ -64,9 +80,11 @@ class ParallelOptions:
         offload: ``none``, ``optimizer`` (stages 1-2) or ``params`` (stage 3).
         bucket_mb: bucket size of gradient all-reduces and of stages 1-2's collectives.
         microbatches / schedule / virtual_stages / split / trace: the pipeline (``pp > 1``).
+        cp_mode: context parallelism's attention (``cp > 1``): ``ring`` or ``ulysses`` (all-to-all).
     """
 
     sequence_parallel: bool = False
+    cp_mode: str = "ring"
     zero_stage: int = 3
     per_block: bool = True
     shard_modules: tuple[str, ...] | None = None
@@ -91,6 +109,7 @@ class Composition:
     results are its signature)."""
 
     tensor_parallel: Any = None  # apply_tp's handle: the TP context of a step, and the TP gradient sync
+    context_parallel: ContextParallel | None = None  # apply_cp's handle: the batch cut, the ring's counts
     ep_handle: ExpertParallelHandle | None = None
     expert_dp_group: Any = None  # the ranks holding the same experts
     pipeline: PipelineParallel | None = None
@@ -118,7 +137,10 @@ def parallelize(model: torch.nn.Module, dims: ParallelDims, mesh: Any, plans: An
                                           who=f"strategy.tp={dims.tp}")
         done.tensor_parallel = apply_tp(model, mesh[TP], plan, comm_stats=comm_stats)
         done.grad_syncs.append(done.tensor_parallel)
-    # 2. CP: no axis yet.
+    # 2. CP: after TP (attention then sees this rank's heads), before the pipeline cut (the stages keep the modules).
+    if dims.cp_enabled:
+        plan = plans.context_parallel_plan(who=f"strategy.cp={dims.cp}")
+        done.context_parallel = apply_cp(model, mesh[CP], plan, mode=options.cp_mode, comm_stats=comm_stats)
     # 3. EP, on the whole model: the pipeline cut then keeps the local experts of this rank's stages.
     expert_plan = expert_plan_if_moe(plans)
     if dims.ep_enabled and expert_plan is None:
@@ -195,17 +217,29 @@ def apply_data_parallel(modules: list[torch.nn.Module], dims: ParallelDims, mesh
     dense = [p for p in params if id(p) not in expert_ids]
     syncs: list[GradAllReduce] = []
     if dims.sharding_enabled and options.zero_stage == 3:
+        # Context-parallel ranks hold the same parameters: FSDP2 shards them over sharding × cp (torchtitan's dp_shard_cp).
+        shard = flat_axes(mesh, (SHARDING, CP)) if dims.cp_enabled else SHARDING
         for module in modules:
-            apply_fsdp(module, mesh[(DP, SHARDING)] if dims.dp > 1 else mesh[SHARDING], units=sharding_units(module, options),
+            apply_fsdp(module, mesh[(DP, shard)] if dims.dp > 1 else mesh[shard], units=sharding_units(module, options),
                        reshard_after_forward=options.reshard(dims.pp), prefetch=options.prefetch,
                        offload_params=options.offload == "params", ignored_params=set(experts) or None, comm_stats=comm_stats)
     elif not dims.sharding_enabled:
-        syncs.append(apply_grad_allreduce(dense, mesh[DP].get_group(), comm_stats=comm_stats, bucket_mb=options.bucket_mb))
+        replicas = mesh[flat_axes(mesh, (DP, SHARDING, CP))] if dims.cp_enabled else mesh[DP]  # sharding is 1 here
+        syncs.append(apply_grad_allreduce(dense, replicas.get_group(), comm_stats=comm_stats, bucket_mb=options.bucket_mb))
     # stages 1-2 (sharding > 1): ZeroOptimizer reduce-scatters the dense gradients (apply_optimizer_sharding).
     if experts:
         syncs.append(apply_grad_allreduce(experts, expert_dp_group, comm_stats=comm_stats, bucket_mb=options.bucket_mb,
                                           kind=EXPERT_GRAD_ALLREDUCE))
     return syncs
+
+
+def flat_axes(mesh: Any, axes: tuple[str, ...]) -> str:
+    """The name of ``axes`` flattened into one axis of ``mesh``, made once (the axes are adjacent in the mesh order:
+    :class:`ParallelDims` checks it for the gradient axes when ``cp > 1``)."""
+    name = "_".join(axes)
+    if name not in getattr(mesh._get_root_mesh(), "_flatten_mapping", {}):
+        mesh[axes]._flatten(name)
+    return name
 
 
 def apply_optimizer_sharding(optimizers: list[Any], dims: ParallelDims, mesh: Any, options: ParallelOptions,

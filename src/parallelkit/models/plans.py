@@ -26,6 +26,7 @@ function                     returns                                            
 ``pipeline_stages``          ``(model, blocks_per_stage, stage_ids) -> [nn.Module]``           pp, hybrid4d pp>1
 ``pipeline_loss`` (optional) ``(model) -> (outputs, targets) -> loss``; default ``model.loss``  pp, hybrid4d pp>1
 ``expert_parallel_plan``     ``(model) -> ExpertParallelPlan``                                 moe, hybrid4d ep
+``context_parallel_plan``    ``(model) -> ContextParallelPlan``                                hybrid4d cp>1
 ``parameter_server_tables``  ``(model, optimizer) -> {module path: TableSpec}``                ps
 ===========================  ===============================================================  ==================
 
@@ -55,6 +56,8 @@ PLAN_FUNCTIONS: dict[str, tuple[str, str, str]] = {
     "pipeline_stages": ("pipeline_stages(model, blocks_per_stage, stage_ids) -> list[nn.Module]", "pipeline stages", "model=gpt, model=moe_gpt"),
     "pipeline_loss": ("pipeline_loss(model) -> loss_fn(outputs, targets)", "the last pipeline stage's loss", "model=gpt, model=moe_gpt"),
     "expert_parallel_plan": ("expert_parallel_plan(model) -> ExpertParallelPlan", "an expert parallel plan (a Mixture-of-Experts model)", "model=moe_gpt"),
+    "context_parallel_plan": ("context_parallel_plan(model) -> ContextParallelPlan (its attention and position modules)",
+                              "a context parallel plan", "model=gpt, model=hf (llama, qwen2, mixtral, gpt2)"),
     "parameter_server_tables": ("parameter_server_tables(model, optimizer) -> dict[str, TableSpec]", "sparse embedding tables for the servers", "model=ctr (with data=ctr)"),
 }
 PARALLELIZE_MODULE = "parallelize"
@@ -187,6 +190,9 @@ class ModelPlans:
 
     def expert_parallel_plan(self, who: str = "strategy=moe") -> Any:
         return self.require("expert_parallel_plan", who)(self.model)
+
+    def context_parallel_plan(self, who: str = "strategy.cp") -> Any:
+        return self.require("context_parallel_plan", who)(self.model)
 
     def parameter_server_tables(self, optimizer: dict[str, Any], who: str = "strategy=ps") -> dict[str, Any]:
         return self.require("parameter_server_tables", who)(self.model, optimizer)

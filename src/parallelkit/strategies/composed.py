@@ -21,25 +21,48 @@ from typing import Any
 import torch
 from typing_extensions import override
 
-from parallelkit.capabilities import LIGHTNING_BACKWARD, MIXED_PRECISION, REPLICATED_PARAMS
-from parallelkit.distributed.checkpoint_io import fqn_optimizer_states, fqn_to_index, load_unsharded
+from parallelkit.capabilities import (
+    LIGHTNING_BACKWARD,
+    MIXED_PRECISION,
+    REPLICATED_PARAMS,
+)
+from parallelkit.distributed.checkpoint_io import (
+    fqn_optimizer_states,
+    fqn_to_index,
+    load_unsharded,
+)
+from parallelkit.distributed.context_parallel import CP_MODES, check_context_parallel
 from parallelkit.distributed.elastic import DEFAULT_TIMEOUT_S
-from parallelkit.distributed.expert_parallel import MOE_ALL_TO_ALL, check_expert_parallel
+from parallelkit.distributed.expert_parallel import (
+    MOE_ALL_TO_ALL,
+    check_expert_parallel,
+)
 from parallelkit.distributed.parallel_dims import DEFAULT_MESH_ORDER, ParallelDims
-from parallelkit.distributed.parallelize import ParallelOptions, apply_optimizer_sharding, expert_plan_if_moe, parallelize
-from parallelkit.distributed.pipeline_parallel import check_pipeline_config, default_virtual_stages
+from parallelkit.distributed.parallelize import (
+    ParallelOptions,
+    apply_optimizer_sharding,
+    expert_plan_if_moe,
+    parallelize,
+)
+from parallelkit.distributed.pipeline_parallel import (
+    check_pipeline_config,
+    default_virtual_stages,
+)
 from parallelkit.distributed.zero_optimizer import ZeroOptimizer
 from parallelkit.errors import ConfigError
 from parallelkit.models.plans import model_plans
 from parallelkit.strategies.mesh import MeshStrategy
 from parallelkit.strategies.pipeline_steps import PipelineSteps
-from parallelkit.strategies.tensor_parallel_steps import TensorParallelSteps, say_if_experts_replicated
+from parallelkit.strategies.tensor_parallel_steps import (
+    TensorParallelSteps,
+    say_if_experts_replicated,
+)
 
 OFFLOAD_CHOICES = ("none", "optimizer", "params")
 
 
 class ComposedStrategy(TensorParallelSteps, PipelineSteps, MeshStrategy):
-    """Any combination of ``dp × sharding × tp (+SP) × pp × ep`` on one named mesh.
+    """Any combination of ``dp × sharding × cp × tp (+SP) × pp × ep`` on one named mesh.
 
     Args:
         dims: the requested degrees (``ParallelDims.request(...)``, a ``-1`` takes the remaining ranks).
@@ -76,6 +99,7 @@ class ComposedStrategy(TensorParallelSteps, PipelineSteps, MeshStrategy):
         self.capabilities = capabilities_of(dims, options)
         self.zero_optimizers: list[ZeroOptimizer] = []
         self.tensor_parallel = None
+        self.context_parallel = None
         self.ep_handle = None
         self.expert_dp_group = None
         self._all_to_all_bytes_seen = 0
@@ -108,11 +132,18 @@ class ComposedStrategy(TensorParallelSteps, PipelineSteps, MeshStrategy):
                 say_if_experts_replicated(model, self.plan_source, f"strategy={self.strategy_name} with strategy.tp={dims.tp}")
         if dims.ep_enabled:
             check_expert_parallel(plans.expert_parallel_plan(who=f"strategy={self.strategy_name} with strategy.ep={dims.ep}"), dims.ep)
+        if dims.cp_enabled:
+            plan = plans.context_parallel_plan(who=f"strategy={self.strategy_name} with strategy.cp={dims.cp}")
+            check_context_parallel(plan, dims.cp, self.options.cp_mode, tp=dims.tp)
 
     @override
     def check_workload(self, model: torch.nn.Module, datamodule: Any = None) -> None:
         if self.requested_dims.pp_enabled:
             self.check_pipeline_workload(model, datamodule)
+        seq_len = getattr(datamodule, "seq_len", None)
+        dims = self.requested_dims
+        if dims.cp_enabled and isinstance(seq_len, int):
+            check_context_parallel_sequence(seq_len, dims.cp, dims.tp if self.options.sequence_parallel else 1)
 
     @override
     def bind_trainer_config(self, trainer_cfg: dict[str, Any]) -> None:
@@ -140,11 +171,18 @@ class ComposedStrategy(TensorParallelSteps, PipelineSteps, MeshStrategy):
                            rank=self.global_rank, device=self.root_device, comm_stats=self.comm_stats)
         # The one place the composition's results become the strategy's.
         self.tensor_parallel = done.tensor_parallel
+        self.context_parallel = done.context_parallel
         self.ep_handle = done.ep_handle
         self.expert_dp_group = done.expert_dp_group
         self.grad_syncs.extend(done.grad_syncs)
         if done.pipeline is not None:
             self.adopt_pipeline(done.pipeline, model, done.stage_blocks, done.tied_embeddings.duplicates)
+
+    @override
+    def batch_to_device(self, batch: Any, device: Any = None, dataloader_idx: int = 0) -> Any:
+        """Context parallelism: this rank keeps its two chunks of every sequence (the cp ranks read the same batch)."""
+        batch = super().batch_to_device(batch, device, dataloader_idx)
+        return self.context_parallel.cut_batch(batch) if self.context_parallel is not None else batch
 
     @override
     def shard_optimizers(self) -> None:
@@ -192,6 +230,8 @@ class ComposedStrategy(TensorParallelSteps, PipelineSteps, MeshStrategy):
         metrics = super().summary_metrics(trainer)
         if self.ep_handle is not None:
             metrics["expert_parallel"] = {"ep": self.parallel_dims.ep, "local_experts": self.ep_handle.local_experts}
+        if self.context_parallel is not None:
+            metrics["context_parallel"] = self.context_parallel.summary()
         if self.auto_plan is not None:
             metrics["auto_plan"] = self.auto_plan
         return metrics
@@ -271,12 +311,14 @@ def check_options(dims: ParallelDims, options: ParallelOptions) -> None:
     if options.sequence_parallel and dims.tp == 1:
         raise ConfigError("strategy.sequence_parallel=true needs strategy.tp > 1: sequence parallelism splits the "
                           "regions between tensor-parallel layers over the tp ranks. Set strategy.tp, or drop it.")
-    if options.zero_stage in (1, 2) and dims.sharding != 1 and (dims.tp != 1 or dims.pp != 1 or dims.ep != 1):
+    if options.zero_stage in (1, 2) and dims.sharding != 1 and (dims.tp != 1 or dims.pp != 1 or dims.ep != 1 or dims.cp != 1):
         raise ConfigError(
             f"ZeRO stage {options.zero_stage} (optimizer sharding over strategy.sharding) composes with data parallelism only "
-            f"in this version; with tp({dims.tp}) × pp({dims.pp}) × ep({dims.ep}) use stage 3 (FSDP2), which composes "
-            "with every axis."
+            f"in this version; with tp({dims.tp}) × pp({dims.pp}) × ep({dims.ep}) × cp({dims.cp}) use stage 3 (FSDP2), which "
+            "composes with every axis."
         )
+    if options.cp_mode not in CP_MODES:
+        raise ConfigError(f"strategy.cp_mode must be one of {', '.join(CP_MODES)}. Got {options.cp_mode!r}.")
     if dims.pp > 1:
         check_pipeline_config(dims.pp, options.microbatches, options.schedule, options.virtual_stages)
 
@@ -287,9 +329,21 @@ def capabilities_of(dims: ParallelDims, options: ParallelOptions) -> frozenset[s
     caps = {MIXED_PRECISION}
     if dims.pp == 1:
         caps.add(LIGHTNING_BACKWARD)
-    if dims.tp == 1 and dims.pp == 1 and dims.ep == 1 and (dims.sharding == 1 or options.zero_stage < 3):
+    # cp ranks hold whole parameters but must average gradients over cp too, which a callback's own gradient
+    # exchange (DGC, Local SGD) does not know: REPLICATED_PARAMS (what those ask for) only without cp.
+    if dims.tp == 1 and dims.pp == 1 and dims.ep == 1 and dims.cp == 1 and (dims.sharding == 1 or options.zero_stage < 3):
         caps.add(REPLICATED_PARAMS)
     return frozenset(caps)
+
+
+def check_context_parallel_sequence(seq_len: int, cp: int, sp_tp: int = 1) -> None:
+    """``data.seq_len`` cuts into ``2·cp`` chunks (and, under sequence parallelism, each rank's part into ``tp``)."""
+    from parallelkit.distributed.context_parallel import load_balanced_positions
+
+    load_balanced_positions(seq_len, cp, 0)  # the 2·cp message
+    if (seq_len // cp) % sp_tp:
+        raise ConfigError(f"data.seq_len={seq_len} with strategy.cp={cp} and sequence parallelism over tp={sp_tp}: each rank's "
+                          f"{seq_len // cp} tokens must split into {sp_tp}. Pick data.seq_len a multiple of {2 * cp * sp_tp}.")
 
 
 def refuse_norm_clipping_with_experts(name: str, ep: int, clip: Any, algorithm: Any) -> None:

@@ -11,6 +11,7 @@ from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from parallelkit.capabilities import DDP_COMM_HOOK, LIGHTNING_BACKWARD, MIXED_PRECISION, REPLICATED_PARAMS, SPARSE_GRADIENTS
+from parallelkit.distributed.checkpoint_io import is_sharded_checkpoint, load_into_single_process
 from parallelkit.distributed.data_parallel import apply_ddp
 from parallelkit.distributed.elastic import DEFAULT_TIMEOUT_S, init_process_group_for_attempt, process_group_timeout
 from parallelkit.distributed.parallel_dims import DP, ParallelDims
@@ -169,6 +170,16 @@ class DDPStrategy(ParallelKitStrategyMixin, LightningDDPStrategy):
         state = super().model_state_bytes()
         state["grads"] += ddp_bucket_bytes(self.model)
         return state
+
+
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """Also continues from a sharded checkpoint directory (ZeRO-3, tensor or pipeline parallel, ...): every rank
+        reads it whole, as one process does (:func:`~parallelkit.distributed.checkpoint_io.load_into_single_process`)."""
+        if is_sharded_checkpoint(checkpoint_path):
+            return load_into_single_process(checkpoint_path, self.lightning_module)
+        return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
 
 
 def ddp_bucket_bytes(model: Any) -> int:

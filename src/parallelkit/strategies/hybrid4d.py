@@ -18,9 +18,9 @@ from parallelkit.strategies.composed import ComposedStrategy, pipeline_options
 STRATEGY_NAME = "hybrid4d"
 
 
-def require_explicit_split(tp: Any, pp: Any, ep: Any) -> None:
+def require_explicit_split(tp: Any, pp: Any, ep: Any, cp: Any = 1) -> None:
     """The degrees that decide the model split must be explicit (no ``-1``): the split depends on them."""
-    for name, value in (("tp", tp), ("pp", pp), ("ep", ep)):
+    for name, value in (("tp", tp), ("pp", pp), ("ep", ep), ("cp", cp)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ConfigError(
                 f"strategy=hybrid4d needs an explicit strategy.{name} ≥ 1 (got {value!r}): it decides the model split. "
@@ -29,12 +29,13 @@ def require_explicit_split(tp: Any, pp: Any, ep: Any) -> None:
 
 
 class Hybrid4DStrategy(ComposedStrategy):
-    """``dp × sharding × tp × pp`` (× ``ep``): every degree and option of the composition.
+    """``dp × sharding × cp × tp × pp`` (× ``ep``): every degree and option of the composition.
 
     Args:
-        dp / sharding / tp / pp / ep: the degrees (:class:`ParallelDims`; ``-1``: the remaining ranks, dp or
-            sharding); the mesh is ``mesh_order`` (default ``pp, dp, sharding, tp``: tp innermost = adjacent
-            ranks, pp outermost).
+        dp / sharding / cp / tp / pp / ep: the degrees (:class:`ParallelDims`; ``-1``: the remaining ranks, dp or
+            sharding); the mesh is ``mesh_order`` (default ``pp, dp, sharding, cp, tp``: tp innermost = adjacent
+            ranks, cp beside it, pp outermost).
+        cp_mode: context parallelism's attention when ``cp > 1``: ``ring`` (default) or ``ulysses`` (all-to-all).
         stage: what ``sharding`` shards (ZeRO stage 3 = FSDP2, composes with every axis; 1-2 with data
             parallelism only).
         sequence_parallel: TP also splits LayerNorm/dropout regions along the sequence.
@@ -60,6 +61,8 @@ class Hybrid4DStrategy(ComposedStrategy):
         tp: int = 2,
         pp: int = 2,
         ep: int = 1,
+        cp: int = 1,
+        cp_mode: str = "ring",
         mesh_order: tuple[str, ...] | list[str] = DEFAULT_MESH_ORDER,
         stage: int = 3,
         sequence_parallel: bool = False,
@@ -77,9 +80,9 @@ class Hybrid4DStrategy(ComposedStrategy):
         process_group_backend: str | None = None,
         **composed: Any,
     ) -> None:
-        require_explicit_split(tp, pp, ep)
-        dims = ParallelDims.request(dp=dp, sharding=sharding, tp=tp, pp=pp, ep=ep, mesh_order=mesh_order)
-        options = ParallelOptions(zero_stage=stage, sequence_parallel=sequence_parallel, per_block=per_block,
+        require_explicit_split(tp, pp, ep, cp)
+        dims = ParallelDims.request(dp=dp, sharding=sharding, tp=tp, pp=pp, ep=ep, cp=cp, mesh_order=mesh_order)
+        options = ParallelOptions(zero_stage=stage, sequence_parallel=sequence_parallel, cp_mode=cp_mode, per_block=per_block,
                                   reshard_after_forward=reshard_after_forward, prefetch=prefetch,
                                   **pipeline_options(microbatches, schedule, virtual_stages, split, trace))
         super().__init__(dims, options, plan=plan, save_distributed_checkpoint=save_distributed_checkpoint,

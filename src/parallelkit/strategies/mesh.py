@@ -113,6 +113,9 @@ class MeshStrategy(ParallelKitStrategyMixin, ModelParallelStrategy):
         self.check_lightning_module(self.lightning_module)
         model = parallel_model(self.lightning_module)
         model.to(self.root_device)
+        # The whole model's parameter names, in order, before a split drops some: a one-file checkpoint's optimizer
+        # state is keyed by their index.
+        self.full_param_names = [name for name, _ in self.lightning_module.named_parameters()]
         self.parallelize(model)
         # FSDP2's root hooks gather and reshard around the root's __call__; Lightning calls training_step directly.
         self._steps_through_call = isinstance(self.lightning_module, FSDPModule)
@@ -213,9 +216,21 @@ class MeshStrategy(ParallelKitStrategyMixin, ModelParallelStrategy):
         """
         from torch.distributed.tensor import DTensor
 
-        if any(isinstance(p, DTensor) for p in self.model.parameters()):
+        if any(isinstance(p, DTensor) for p in self.model.parameters()) and self._saved_with_global_groups(checkpoint_path):
             return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        # Plain tensors (a stage's, an expert shard's), or a checkpoint whose ranks keyed their optimizer groups (a pipeline's):
+        # each rank reads, by name, exactly what it holds (DTensors resharded by torch.distributed.checkpoint).
         return self._load_per_rank_checkpoint(checkpoint_path, weights_only)
+
+    def _saved_with_global_groups(self, checkpoint_path: Any) -> bool:
+        """The checkpoint holds one ``param_groups`` for every rank (not per pipeline stage / expert shard)."""
+        from torch.distributed.checkpoint import FileSystemReader
+
+        path = Path(self.broadcast(str(checkpoint_path)))
+        if not (path / "meta.pt").is_file():
+            return True  # not a directory: Lightning's loader says what it is
+        saved = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        return any(k.startswith("optimizer_0.param_groups.") for k in saved) or not any(k.startswith("optimizer_") for k in saved)
 
     def _load_per_rank_checkpoint(self, checkpoint_path: Any, weights_only: bool | None) -> dict[str, Any]:
         import torch.distributed.checkpoint as dcp
@@ -226,20 +241,59 @@ class MeshStrategy(ParallelKitStrategyMixin, ModelParallelStrategy):
             set_optimizer_state_dict,
         )
 
-        path = Path(self.broadcast(checkpoint_path))
+        path = Path(self.broadcast(str(checkpoint_path)))
+        if path.is_file():
+            return self._load_whole_file(path)
         if not (path / "meta.pt").is_file():
-            raise ConfigError(f"strategy={self.strategy_name} resumes from a distributed checkpoint directory (with meta.pt); {path} is not one.")
+            raise ConfigError(f"strategy={self.strategy_name} resumes from a distributed checkpoint directory (with meta.pt) or a "
+                              f"checkpoint file; {path} is neither.")
+        from torch.distributed.checkpoint import FileSystemReader
+
         module = self.model
         state = {"state_dict": get_model_state_dict(module)}
         dcp.load(state, checkpoint_id=path)
         module.load_state_dict(state["state_dict"], strict=self.lightning_module.strict_loading)
+        saved = FileSystemReader(str(path)).read_metadata().state_dict_metadata
         for idx, optimizer in enumerate(self.optimizers):
             key = f"optimizer_{idx}"
-            optim_state = {key: self._rank_keyed(get_optimizer_state_dict(module, optimizer))}
-            dcp.load(optim_state, checkpoint_id=path)
-            loaded = self._rank_keyed(optim_state[key], back=True)
+            current = self._rank_keyed(get_optimizer_state_dict(module, optimizer))
+            if any(k.startswith(f"{key}.{self.param_groups_key()}.") for k in saved):
+                optim_state = {key: current}
+                dcp.load(optim_state, checkpoint_id=path)
+                loaded = self._rank_keyed(optim_state[key], back=True)
+            else:
+                # Written by another layout (its groups under another key: tensor parallel's one "param_groups", other
+                # pipeline stages'): the per-parameter state (moments, steps) by name, this rank's own groups (their
+                # learning rate is the restored schedule's; the rest is the configuration's, as when it was saved).
+                optim_state = {key: {"state": current["state"]}}
+                dcp.load(optim_state, checkpoint_id=path)
+                loaded = {"state": optim_state[key]["state"], "param_groups": self._rank_keyed(current, back=True)["param_groups"]}
             set_optimizer_state_dict(module, optimizer, optim_state_dict=loaded, options=StateDictOptions(cpu_offload=True))
         return torch.load(path / "meta.pt", weights_only=weights_only)
+
+    def _load_whole_file(self, path: Path) -> dict[str, Any]:
+        """A one-file checkpoint (``strategy=single`` or ``ddp``): every rank reads it and keeps, by name, the parameters
+        and per-parameter optimizer state it holds; the optimizer groups are this rank's (their learning rate is the
+        restored schedule's). Its index-keyed optimizer state is named with the whole model's parameter names, taken
+        before the model was split (:attr:`full_param_names`)."""
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict, set_optimizer_state_dict
+
+        from parallelkit.distributed.checkpoint_io import index_to_fqn
+
+        checkpoint = torch.load(path, map_location="cpu", weights_only=False)
+        module = self.model
+        saved = checkpoint.pop("state_dict")
+        own = get_model_state_dict(module)
+        missing = sorted(set(own) - set(saved))
+        if missing:
+            raise ConfigError(f"ckpt_path={path} lacks parameters this model holds: {missing[:4]}. Use the model settings it was trained with.")
+        module.load_state_dict({name: saved[name] for name in own}, strict=False)
+        for optimizer, state in zip(self.optimizers, checkpoint.pop("optimizer_states", [])):
+            named = index_to_fqn(state, self.full_param_names)["state"]
+            current = get_optimizer_state_dict(module, optimizer)
+            loaded = {"state": {name: named[name] for name in current["state"] if name in named}, "param_groups": current["param_groups"]}
+            set_optimizer_state_dict(module, optimizer, optim_state_dict=loaded)
+        return checkpoint
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:

@@ -100,6 +100,24 @@ def check_tensor_parallel(config, tp: int, *, sequence_parallel: bool = False) -
         )
 
 
+# ==================================================================== context parallel plan
+# Each rank holds two chunks of every sequence (parallelkit.distributed.context_parallel): attention's SDPA call
+# becomes ring or all-to-all attention over the cp ranks, and the learned position embedding looks up the
+# positions of this rank's tokens in the whole sequence. A pipeline stage keeps these same modules.
+
+
+def context_parallel_plan(model):
+    """The :class:`~parallelkit.distributed.context_parallel.ContextParallelPlan` of a GPT."""
+    from parallelkit.distributed.context_parallel import ContextParallelPlan
+    from parallelkit.errors import ConfigError
+
+    if model.config.dropout:
+        raise ConfigError(f"model.dropout={model.config.dropout} with context parallelism: attention dropout needs whole rows "
+                          "of scores, which no rank holds. Set model.dropout=0.")
+    return ContextParallelPlan(attention=("layers.*.attn",), positions=("pos_emb",), heads=model.config.n_head,
+                               kv_heads=model.config.n_head)
+
+
 # ==================================================================== pipeline split points
 # A pipeline stage owns consecutive transformer blocks; the first stage also owns the embeddings, the
 # last the final LayerNorm and the output head (the loss is computed there, on the logits).

@@ -224,6 +224,39 @@ def pipeline_stages(model: nn.Module, blocks_per_stage: list[range], stage_ids: 
     return stages
 
 
+# ==================================================================== context parallel plan
+def context_parallel_plan(model: nn.Module) -> Any:
+    """Each rank holds two chunks of every sequence: the decoder layers' attention (its SDPA call) runs over the cp
+    ranks, and the rotary embedding (or GPT-2's learned positions) gets the positions of this rank's tokens in the whole
+    sequence. Needs the decoder loop parallelkit rebuilds, SDPA attention and a causal mask without a sliding window."""
+    from parallelkit.distributed.context_parallel import ContextParallelPlan
+
+    config = model.config
+    kind = f"model=hf ({config.model_type})"
+    if config.model_type not in DECODER_LOOP_TYPES:
+        raise ConfigError(f"strategy.cp with {kind}: context parallelism needs the decoder loop parallelkit rebuilds (positions "
+                          f"from the whole sequence), which it has for {', '.join(DECODER_LOOP_TYPES)}. Use strategy.cp=1.")
+    if getattr(config, "_attn_implementation", None) != "sdpa":
+        raise ConfigError(f"strategy.cp with {kind} and attn_implementation={config._attn_implementation}: context parallelism "
+                          "replaces the scaled_dot_product_attention call. Set model.attn_implementation=sdpa.")
+    layer_types = getattr(config, "layer_types", None) or []
+    if "sliding_attention" in layer_types or (getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True)):
+        raise ConfigError(f"strategy.cp with {kind}: its sliding-window attention masks keys by distance, which the ring's "
+                          "causal blocks do not. Disable the sliding window (model.overrides) or use strategy.cp=1.")
+    if getattr(config, "attention_dropout", 0.0) or getattr(config, "attn_pdrop", 0.0):
+        raise ConfigError(f"strategy.cp with {kind}: attention dropout needs whole rows of scores, which no rank holds. "
+                          "Set it to 0 (model.overrides).")
+    layers = _name_of(model, decoder_layers(model))
+    attention = [name for name, child in decoder_layers(model)[0].named_children() if "Attention" in type(child).__name__]
+    if len(attention) != 1:
+        raise ConfigError(f"strategy.cp with {kind}: cannot tell the attention module of its decoder layer among {attention}.")
+    prefix, base = base_model(model)
+    positions = [f"{prefix}.{name}" for name in ("rotary_emb", "wpe") if isinstance(getattr(base, name, None), nn.Module)]
+    heads = config.num_attention_heads
+    return ContextParallelPlan(attention=(f"{layers}.*.{attention[0]}",), positions=tuple(positions), heads=heads,
+                               kv_heads=getattr(config, "num_key_value_heads", None) or heads)
+
+
 # ==================================================================== expert parallel
 def expert_parallel_plan(model: nn.Module) -> Any:
     """The Mixture-of-Experts blocks (rebuilt as grouped experts, ``moe.py``): their experts spread over ``ep`` ranks,

@@ -18,6 +18,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from parallelkit.distributed.expert_parallel import ExpertParallelPlan, MoESite
 from parallelkit.models.gpt.model import GPT
 from parallelkit.models.gpt.parallelize import GPTPipelineStage, pipeline_blocks
+from parallelkit.models.gpt.parallelize import context_parallel_plan  # noqa: F401 - GPT's attention and positions, unchanged
 from parallelkit.models.gpt.parallelize import pipeline_stages as gpt_pipeline_stages
 from parallelkit.models.gpt.parallelize import tensor_parallel_plan as gpt_tensor_parallel_plan
 from parallelkit.models.moe_gpt.model import MoEGPT, MoELayer
