@@ -13,4 +13,6 @@ code = find_namespace_packages(where="src", include=["parallelkit", "parallelkit
 # The config groups (conf/model/, ...) hold only YAML, but setuptools warns about every data directory inside
 # a package that is not itself listed as one ("Package would be ignored"): list them too.
 configs = ["parallelkit.conf", *(f"parallelkit.conf.{group}" for group in find_namespace_packages(where="conf"))]
-setup(packages=[*code, *configs])
+# The examples (the README's own model and LightningModule), for `parallelkit examples DIR` after a pip install.
+examples = ["parallelkit.examples", *(f"parallelkit.examples.{sub}" for sub in find_namespace_packages(where="examples"))]
+setup(packages=[*code, *configs, *examples])

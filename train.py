@@ -10,7 +10,8 @@ from parallelkit.launch import local_ranks, startup_gc
 
 if __name__ == "__main__":
     startup_gc.pause()  # until the run is built: the collector would spend ~0.5 s on the imports (see there)
-    local_ranks.prepare_process()  # `trainer.devices=N` on the command line: ranks 1..N-1 start importing now
+    # `trainer.devices=N` on the command line: ranks 1..N-1 start importing now, if the strategy's degrees fit N
+    local_ranks.prepare_process(config_path=str(Path(__file__).resolve().parent / "conf"))
 
 from parallelkit.launch.cli import exit_after, hydra_main  # noqa: E402 - imports Hydra (lazily, in hydra_main)
 

@@ -29,7 +29,7 @@ class Regressor(pl.LightningModule):
         h = self.inp(x)
         for block in self.blocks:
             h = h + block(h)
-        return self.out(h).squeeze(-1)
+        return self.out(h)  # (batch, 1): a fresh tensor (a squeezed view would make FSDP2 warn about in-place ops)
 
     def training_step(self, batch, batch_idx):
         x, y = batch
@@ -48,7 +48,7 @@ class Regressor(pl.LightningModule):
     def _data(self, n: int, seed: int) -> DataLoader:
         g = torch.Generator().manual_seed(seed)
         x = torch.randn(n, self.inp.in_features, generator=g)
-        y = torch.sin(x[:, :4]).sum(-1) + x[:, 4] * x[:, 5]
+        y = (torch.sin(x[:, :4]).sum(-1) + x[:, 4] * x[:, 5]).unsqueeze(-1)
         return DataLoader(TensorDataset(x, y), batch_size=32)
 
     def train_dataloader(self) -> DataLoader:

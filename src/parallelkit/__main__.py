@@ -15,8 +15,10 @@ def main() -> None:
     # The order of train.py, for the same reasons: no collector during the imports (parallelkit.launch.startup_gc),
     # and ranks 1..N-1 importing torch while this process imports Hydra and composes.
     startup_gc.pause()
-    local_ranks.prepare_process()
-    from parallelkit.launch.cli import PACKAGED_CONFIGS, exit_after, hydra_main
+    from parallelkit.launch.command_line import PACKAGED_CONFIGS
+
+    local_ranks.prepare_process(config_path=PACKAGED_CONFIGS)
+    from parallelkit.launch.cli import exit_after, hydra_main
 
     exit_after(hydra_main(PACKAGED_CONFIGS))
 

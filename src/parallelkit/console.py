@@ -47,6 +47,13 @@ def _is_console(handler: logging.Handler) -> bool:
     return type(handler) is logging.StreamHandler  # FileHandler is a subclass: the log file keeps everything
 
 
+def silence_library_warnings() -> None:
+    """Ignore :data:`LIBRARY_WARNINGS` (idempotent): at ``import parallelkit``, so that a LightningModule trained
+    with parallelkit's strategies in plain Python (no Hydra, no :func:`quiet_console`) is spared them too."""
+    for message, category, module in LIBRARY_WARNINGS:
+        warnings.filterwarnings("ignore", message=message, category=category, module=module)
+
+
 def quiet_console() -> None:
     """Route Lightning's log lines through the root logger's handlers only and filter the console (idempotent).
 
@@ -55,8 +62,7 @@ def quiet_console() -> None:
     """
     import lightning  # noqa: F401 - its __init__ adds the console handler taken off below: it must have run
 
-    for message, category, module in LIBRARY_WARNINGS:
-        warnings.filterwarnings("ignore", message=message, category=category, module=module)
+    silence_library_warnings()
     root = logging.getLogger()
     if not any(_is_console(h) for h in root.handlers):
         return

@@ -19,12 +19,13 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from parallelkit.capabilities import DDP_COMM_HOOK, SERVER_TABLES, SPARSE_GRADIENTS
+from parallelkit.config_check import check_run_config
 from parallelkit.distributed.compile import apply_compile
 from parallelkit.distributed.elastic import restart_count
 from parallelkit.distributed.recompute import apply_recompute
 from parallelkit.errors import ConfigError
 from parallelkit.launch import local_ranks, startup_gc
-from parallelkit.models.contract import as_lightning_module, check_model_fits_data, import_target
+from parallelkit.models.contract import as_lightning_module, check_model_fits_data, data_hints, import_target
 from parallelkit.models.plans import parallel_model
 from parallelkit.optim import check_optimizer, check_schedule, make_sparse_gradients_dense
 from parallelkit.run_dir import RunDirPlan, RunFinished
@@ -134,13 +135,14 @@ def output_dir(cfg: DictConfig) -> Path:
     return Path(cfg.get("output_dir") or ".")
 
 
-def plan_run_dir(cfg: DictConfig, out: Path, max_steps: int) -> RunDirPlan:
+def plan_run_dir(cfg: DictConfig, out: Path, max_steps: int, max_epochs: int | None = None) -> RunDirPlan:
     """``ckpt_path`` (``last`` under a torchrun restart) against what ``out`` holds: see :func:`parallelkit.run_dir.plan`."""
     ckpt_path = cfg.get("ckpt_path")
     if ckpt_path is None and (restart_count() or 0) > 0:
         ckpt_path = "last"  # torchrun restarted this job after a failure: go on from the newest checkpoint
     try:
-        return plan_dir(out, None if ckpt_path is None else str(ckpt_path), max_steps if isinstance(max_steps, int) else -1)
+        return plan_dir(out, None if ckpt_path is None else str(ckpt_path), max_steps if isinstance(max_steps, int) else -1,
+                        max_epochs if isinstance(max_epochs, int) else None)
     except (RunFinished, ConfigError):
         _forget_config_record(out)
         raise
@@ -209,6 +211,27 @@ def fit_gradients_to_run(module: Any, cfg: DictConfig, strategy: Any, callbacks:
         torch.sparse.check_sparse_tensor_invariants.disable()
 
 
+# Trainer settings by which a command line asks for validation: without a batch to run, that is an error.
+_VALIDATION_SETTINGS = ("trainer.val_check_interval", "trainer.limit_val_batches", "trainer.check_val_every_n_epoch",
+                        "data.val_batch_size", "data.val_fraction")
+
+
+def skip_empty_validation(datamodule: Any, trainer_cfg: dict) -> None:
+    """A validation set without one batch per rank: refused if the command line asked for validation, else one
+    line and no validation (``limit_val_batches=0``), instead of a summary with "validation loss -" unexplained."""
+    from lightning.pytorch.utilities import rank_zero_info
+
+    why = datamodule.empty_validation() if callable(getattr(datamodule, "empty_validation", None)) else None
+    if why is None or trainer_cfg.get("limit_val_batches") == 0:
+        return
+    asked = [o.lstrip("+") for group in ("trainer", "data") for o in chosen_on_command_line(group)
+             if o.lstrip("+").split("=", 1)[0] in _VALIDATION_SETTINGS]
+    if asked:
+        raise ConfigError(f"{' '.join(asked)} asks for validation, but {why}.")
+    rank_zero_info(f"parallelkit: no validation in this run: {why}.")
+    trainer_cfg["limit_val_batches"] = 0
+
+
 def launching_rank_zero() -> bool:
     """Global rank 0 before the process group exists (Lightning reads it from the launcher's environment)."""
     from lightning.pytorch.utilities import rank_zero_only
@@ -241,17 +264,22 @@ def _run(cfg: DictConfig) -> dict[str, Any] | None:
 
     from lightning.pytorch.callbacks.progress import ProgressBar
 
+    from lightning.pytorch.callbacks import ModelSummary
+
     from parallelkit.callbacks.base import ParallelKitCallback
+    from parallelkit.callbacks.model_summary import MeasuredModelSummary
     from parallelkit.callbacks.progress_bar import step_progress_bar
     from parallelkit.callbacks.resumed_schedule import ResumedSchedule
     from parallelkit.callbacks.run_summary import RunSummary
     from parallelkit.models.module import TrainModule
 
+    if not local_ranks.is_started_rank():  # a rank started by rank 0 waits for rank 0's verdict on the same config
+        check_run_config(cfg)  # a key that no code reads (+optim.lr=...) is an error, not a silent default
     out = output_dir(cfg)
     trainer_cfg = OmegaConf.to_container(cfg.trainer, resolve=True)
     # What this run directory already holds decides first (read-only, every rank): a finished run is not
     # retrained, an unfinished one is not started over without ckpt_path (parallelkit.run_dir).
-    dir_plan = plan_run_dir(cfg, out, trainer_cfg.get("max_steps", -1)) if cfg.get("mode", "train") == "train" else None
+    dir_plan = plan_run_dir(cfg, out, trainer_cfg.get("max_steps", -1), trainer_cfg.get("max_epochs")) if cfg.get("mode", "train") == "train" else None
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
 
     # The strategy protocol (parallelkit.strategy_protocol), step by step; a Lightning strategy that is not
@@ -262,26 +290,28 @@ def _run(cfg: DictConfig) -> dict[str, Any] | None:
     strategy.bind_trainer_config(trainer_cfg)  # a strategy that applies Trainer settings itself checks them now
     devices = resolve_devices(trainer_cfg.pop("devices", None), strategy, accelerator)
     num_nodes = resolve_num_nodes(trainer_cfg.pop("num_nodes", 1), devices)
-    # This job's other local ranks build the same run alongside (unless started before Hydra, or by torchrun/SLURM).
-    local_ranks.ensure_started(devices, num_nodes)
     resolved = strategy.resolve(cfg, devices, num_nodes)  # strategy=auto: the hybrid4d layout it chose
     if resolved is not strategy:  # the chosen strategy gets the same bindings as the one that chose it
         strategy = as_protocol(resolved)
         strategy.bind_accelerator(accelerator)
         strategy.bind_trainer_config(trainer_cfg)
     dims = strategy.plan(devices * num_nodes)
+    # The degrees fit: this job's other local ranks build the same run alongside (unless started before Hydra,
+    # which only happens when they fit too, or by torchrun/SLURM). Bad degrees start no process.
+    local_ranks.ensure_started(devices, num_nodes)
 
     datamodule = build(cfg.data, "data")
     if not callable(getattr(datamodule, "configure", None)):
         raise ConfigError(f"{_label('data')} built a {type(datamodule).__name__}; parallelkit shards data itself and needs a "
                           "parallelkit.data.base.DataParallelDataModule (its subclasses: conf/data/*.yaml).")
     plan = datamodule.configure(dims.data_parallel_size, trainer_cfg.get("accumulate_grad_batches", 1))
+    skip_empty_validation(datamodule, trainer_cfg)
     # Same seed on every rank → identical initial weights (DDP also broadcasts them from rank 0).
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
     if not isinstance(cfg.model.get("_target_"), str):
         raise ConfigError(f"{_label('model')} has no _target_: name the class or function that builds the model (model._target_=mypkg.Net).")
     check_model_fits_data(import_target(cfg.model._target_, "model._target_"), datamodule.model_kwargs(), _label("model"), _label("data"))
-    built = build(cfg.model, "model", **datamodule.model_kwargs())
+    built = build(cfg.model, "model", **datamodule.model_kwargs(), **data_hints(import_target(cfg.model._target_, "model._target_"), datamodule))
     module = as_lightning_module(built, _label("model"), lambda m: train_module(m, cfg), chosen_on_command_line("optim"))
     model = parallel_model(module)  # what the strategy splits and the plans speak of
     # Techniques of the model's own computation, shared by every strategy (they keep module names, so the
@@ -319,6 +349,9 @@ def _run(cfg: DictConfig) -> dict[str, Any] | None:
         trainer_cfg["enable_progress_bar"] = sys.stdout.isatty()
     if trainer_cfg["enable_progress_bar"] and not any(isinstance(c, ProgressBar) for c in callbacks):
         callbacks.append(step_progress_bar())  # Lightning's bar, counting to max_steps (not "Epoch 0/-2")
+    if trainer_cfg.get("enable_model_summary", True) and not any(isinstance(c, ModelSummary) for c in callbacks):
+        callbacks.append(MeasuredModelSummary())  # no "Total FLOPs: 0" when nothing measured them
+        trainer_cfg["enable_model_summary"] = False  # Lightning adds no default one (nor says that it skipped it)
     try:
         trainer = pl.Trainer(
             strategy=strategy.lightning_strategy,

@@ -79,9 +79,48 @@ def checkpoint_step(path: str | os.PathLike) -> int | None:
         candidates = [path / "meta.pt", *sorted(path.glob("*/*model_states.pt"))]
         path = next((p for p in candidates if p.is_file()), path)
     try:
-        return int(torch.load(path, map_location="cpu", weights_only=False, mmap=True)["global_step"])
+        return int(_load_trusted(path)["global_step"])
     except Exception:  # noqa: BLE001 - unreadable or half-written: the checks before launch say what is wrong
         return None
+
+
+def checkpoint_epoch(path: str | os.PathLike) -> int | None:
+    """The epochs a checkpoint counts as finished (Lightning's ``epoch``); ``None`` if it cannot be read."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / "meta.pt"
+    try:
+        return int(_load_trusted(path)["epoch"])
+    except Exception:  # noqa: BLE001 - as checkpoint_step
+        return None
+
+
+# Packages whose types a checkpoint of this run may hold besides tensors (DeepSpeed's enums, Lightning's and
+# numpy's state): nothing from them runs code when rebuilt, unlike ``os.system`` in a crafted file.
+_TRUSTED_PACKAGES = ("torch", "numpy", "lightning", "lightning_fabric", "deepspeed", "parallelkit", "omegaconf")
+
+
+def _load_trusted(path: Path) -> Any:
+    """``torch.load`` without running arbitrary pickled code: tensors and plain types, and the types of the
+    packages that write checkpoints here; a file that needs anything else is unreadable (``None`` above)."""
+    import importlib
+    import pickle
+
+    import torch
+
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except pickle.UnpicklingError:
+        pass
+    names = torch.serialization.get_unsafe_globals_in_checkpoint(path)
+    if any(name.split(".")[0] not in _TRUSTED_PACKAGES for name in names):
+        raise pickle.UnpicklingError(f"{path} holds types outside {_TRUSTED_PACKAGES}: {names}")
+    allowed = []
+    for name in names:
+        module, _, attr = name.rpartition(".")
+        allowed.append(getattr(importlib.import_module(module), attr))
+    with torch.serialization.safe_globals(allowed):
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
 
 
 def logged_steps(path: Path) -> int | None:
@@ -123,7 +162,7 @@ class RunDirPlan:
         return moved
 
 
-def plan(out: Path, ckpt_path: str | None, max_steps: int) -> RunDirPlan:
+def plan(out: Path, ckpt_path: str | None, max_steps: int, max_epochs: int | None = None) -> RunDirPlan:
     """Decide what a training run in ``out`` does (see the module docstring). Read-only: safe on every rank.
 
     Raises:
@@ -136,7 +175,11 @@ def plan(out: Path, ckpt_path: str | None, max_steps: int) -> RunDirPlan:
     last = _last_checkpoint(out / CHECKPOINTS)
     last_step = checkpoint_step(last) if last is not None else None
     logged = logged_steps(out / METRICS)
-    if ckpt_path in (None, "last") and summary_steps is not None and (max_steps <= 0 or summary_steps >= max_steps):
+    # A run by epochs (max_steps ≤ 0) is finished when its newest checkpoint has the epochs asked for now: the same
+    # command with a larger trainer.max_epochs takes it further.
+    epochs = checkpoint_epoch(last) if last is not None and max_steps <= 0 and max_epochs is not None and max_epochs > 0 else None
+    more_epochs = epochs is not None and epochs < max_epochs
+    if ckpt_path in (None, "last") and summary_steps is not None and not more_epochs and (max_steps <= 0 or summary_steps >= max_steps):
         of = f"{summary_steps} of trainer.max_steps={max_steps} steps" if max_steps > 0 else f"{summary_steps} steps, all its epochs"
         rank_zero_info(f"parallelkit: {out} already holds a finished run ({of}, {SUMMARY}); nothing to train. "
                        "To train again, choose another hydra.run.dir.")

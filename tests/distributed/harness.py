@@ -10,7 +10,7 @@ Every distributed test goes through :func:`run_ranks`::
         results = run_ranks(_train, 2, tmp_path, 5)                # results[r] is what rank r returned
         torch.testing.assert_close(results[0]["weight"], results[1]["weight"])
 
-Why it is built this way (DESIGN.md §5-§6):
+Why it is built this way:
 
 - ``forkserver`` with torch preloaded: a rank is forked from a server that imported torch once, so a rank
   starts in well under a second instead of paying the torch import again (spawn), and without inheriting

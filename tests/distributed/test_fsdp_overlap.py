@@ -11,6 +11,12 @@ each all-gather / reduce-scatter was issued and completed (gloo's work future). 
 - at most one block is gathered ahead of the one computing; gradients equal the single-process reference.
 
 The negative control (``prefetch=False``) shows the trace can fail: every collective then runs between blocks.
+
+Rank 1's head start must outlast the scheduler: on a loaded machine rank 0 can be held back for tens of
+milliseconds, and once rank 1 is ahead, rank 0's prefetched gather completes before its block starts computing
+(the overlap happened, but the trace cannot see it). With a 16 ms head start the check failed about 1 run in 5
+on a loaded 2-core machine; :func:`test_the_trace_sees_the_overlap_through_a_stall_of_rank_0` stalls rank 0 on
+purpose for longer than that, and passes with the head start below.
 """
 
 from __future__ import annotations
@@ -27,7 +33,8 @@ from tests.distributed.harness import run_ranks
 
 BLOCKS, WIDTH, ROWS = 4, 64, 8
 COMPUTE_S = 0.04  # per block, forward and backward
-SKEW_S = 0.008  # rank 1's extra time per block, and twice that before the first
+SKEW_S = 0.02  # rank 1's extra time per block, and twice that before the first (its head start: 40 ms)
+STALL_S = 0.025  # a scheduler's hold on rank 0 (longer than the 16 ms head start that failed now and then)
 
 
 class _BackwardMark(torch.autograd.Function):
@@ -63,15 +70,16 @@ class Block(nn.Module):
 
 
 class Net(nn.Module):
-    def __init__(self, log: list, extra_s: float) -> None:
+    def __init__(self, log: list, extra_s: float, stall_s: float = 0.0) -> None:
         super().__init__()
         self.inp = nn.Linear(WIDTH, WIDTH)
-        self.extra_s = extra_s
+        self.extra_s, self.stall_s = extra_s, stall_s
         self.blocks = nn.ModuleList(Block(i, log, extra_s) for i in range(BLOCKS))
         self.out = nn.Linear(WIDTH, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         burn(2 * self.extra_s)  # rank 1 starts late: its collectives come after rank 0's from the first block on
+        time.sleep(self.stall_s)  # rank 0 held back, as a loaded machine's scheduler does now and then
         x = self.inp(x)
         for block in self.blocks:
             x = block(x)
@@ -82,7 +90,7 @@ def _data(rank: int) -> torch.Tensor:
     return torch.randn(ROWS, WIDTH, generator=torch.Generator().manual_seed(100 + rank))
 
 
-def _trace(rank: int, world: int, prefetch: bool) -> dict:
+def _trace(rank: int, world: int, prefetch: bool, stall_s: float = 0.0) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FSDPModule
 
@@ -91,7 +99,7 @@ def _trace(rank: int, world: int, prefetch: bool) -> dict:
     log: list = []
     extra = SKEW_S if rank == 1 else 0.0
     torch.manual_seed(0)
-    model = Net(log, extra)
+    model = Net(log, extra, stall_s if rank == 0 else 0.0)
     reference = Net([], 0.0)
     reference.load_state_dict(model.state_dict())
     unit_of = {id(block.lin.weight): i for i, block in enumerate(model.blocks)}
@@ -198,3 +206,12 @@ def test_negative_control_without_prefetch_every_collective_waits_between_blocks
     assert not any(_forward_overlaps(rank0))
     reduce_scatters, gathers = _backward_overlaps(rank0)
     assert not any(reduce_scatters) and not any(gathers)
+
+
+def test_the_trace_sees_the_overlap_through_a_stall_of_rank_0(tmp_path):
+    """Rank 0 held back longer than the old head start (16 ms): rank 1 must still be behind, so the trace still
+    sees every prefetched collective in flight while a block computes."""
+    rank0 = run_ranks(_trace, 2, tmp_path, True, STALL_S)[0]
+    assert all(_forward_overlaps(rank0)), _forward_overlaps(rank0)
+    reduce_scatters, gathers = _backward_overlaps(rank0)
+    assert all(reduce_scatters) and all(gathers), (reduce_scatters, gathers)

@@ -302,7 +302,7 @@ def test_strategy_rejects_bad_degrees_and_models_before_launch():
     with pytest.raises(ConfigError, match=r"strategy.pp=2 would be ignored"):
         TensorParallelStrategy(tp=2, pp=2)
     strategy = TensorParallelStrategy(tp=2)
-    assert strategy.plan(4).as_dict() == {"dp": 2, "sharding": 1, "tp": 2, "pp": 1, "ep": 1}
+    assert strategy.plan(4).as_dict() == {"dp": 2, "sharding": 1, "cp": 1, "tp": 2, "pp": 1, "ep": 1}
     with pytest.raises(ConfigError, match=r"model.n_head=3"):
         strategy.check_model(GPT(**{**TINY, "n_head": 3, "n_embd": 48}), 4)
     with pytest.raises(ConfigError, match=r"needs a tensor parallel plan for Linear"):

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 from test_hf_train import LLAMA
+from test_text_data_train import inputs  # noqa: F401 - the fixture: a .jsonl and a local BPE tokenizer
 from test_train import REL_TOL, TINY, max_rel_diff, run_ok, train
 
 from parallelkit.distributed.comm_stats import GLOO_RECV_OVERHEAD, GLOO_SEND_OVERHEAD
@@ -130,17 +131,22 @@ def test_plan_naming_a_module_without_attention_is_refused(tmp_path):
     assert "computed attention without F.scaled_dot_product_attention" in proc.stderr, proc.stderr[-3000:]
 
 
+def text(inputs: dict) -> list[str]:
+    """The issue's command reads text: a .jsonl of documents and a local byte-level BPE tokenizer (vocabulary 500)."""
+    return ["data=text", f"data.files=[{inputs['jsonl']}]", f"data.tokenizer={inputs['tok']}"]
+
+
 @pytest.fixture(scope="module")
-def llama_single(tmp_path_factory) -> dict:
-    return run_ok([*LLAMA, "strategy=single"], tmp_path_factory.mktemp("cp_llama_single") / "run")
+def llama_single(tmp_path_factory, inputs) -> dict:
+    return run_ok([*LLAMA, *text(inputs), "strategy=single"], tmp_path_factory.mktemp("cp_llama_single") / "run")
 
 
 @pytest.mark.parametrize("extra", [["strategy.cp=2", "strategy.tp=2", "trainer.devices=4"],
                                    ["strategy.cp=2", "strategy.cp_mode=ulysses", "trainer.devices=2"]],
                          ids=["cp2_tp2_ring", "cp2_ulysses"])
-def test_llama_with_context_parallel_reproduces_single(extra, llama_single, tmp_path):
-    """The issue's command: Llama (GQA: 4 heads, 2 key/value heads; rotary positions) with cp=2 × tp=2."""
-    run = run_ok([*LLAMA, "strategy=hybrid4d", "strategy.pp=1", "strategy.tp=1", *extra], tmp_path / "run")
+def test_llama_with_context_parallel_reproduces_single(extra, llama_single, inputs, tmp_path):
+    """The issue's command: Llama (GQA: 4 heads, 2 key/value heads; rotary positions) on text with cp=2 × tp=2."""
+    run = run_ok([*LLAMA, *text(inputs), "strategy=hybrid4d", "strategy.pp=1", "strategy.tp=1", *extra], tmp_path / "run")
     assert max_rel_diff(llama_single["train_loss"], run["train_loss"]) <= REL_TOL
     assert rel(llama_single["val_loss"], run["val_loss"]) <= REL_TOL
 

@@ -17,7 +17,7 @@ import pytest
 
 from test_train import TINY, max_rel_diff, run_ok, train
 
-REL_TOL = 1e-4  # DESIGN.md §3: deepspeed within 1e-4 (measured: ~1e-7)
+REL_TOL = 1e-4  # the correctness contract's bound for deepspeed (measured: ~1e-7)
 WARMUP, MAX_STEPS, BASE_LR, MIN_LR_RATIO = 5, 20, 3e-3, 0.1
 # A warm-up shorter than the run, so the cosine decay moves the learning rate within the 20 steps.
 SCHEDULE = [f"optim.schedule.warmup_steps={WARMUP}", f"optim.schedule.decay_steps={MAX_STEPS}"]

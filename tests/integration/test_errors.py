@@ -28,7 +28,7 @@ BAD_INPUT = [
     (["optim.optimizer.lr=-1e-3"], 2, ["optim=adamw", "optim.optimizer.lr=-0.001", "Invalid learning rate"]),
     (["optim.optimizer.lr=abc"], 2, ["optim.optimizer.lr='abc' should be a number"]),
     (["optim.optimizer.betas=[1.5,0.9]"], 2, ["optim.optimizer.betas=[1.5, 0.9]", "Invalid beta parameter"]),
-    (["+optim.optimizer.lrr=1"], 2, ["optim.optimizer.lrr=1", "unexpected keyword argument 'lrr'"]),
+    (["+optim.optimizer.lrr=1"], 2, ["+optim.optimizer.lrr=1 sets optim.optimizer.lrr, which no code reads", "optim.optimizer.lr=1"]),
     (["optim=sgd", "optim.optimizer.momentum=-1"], 2, ["optim=sgd", "optim.optimizer.momentum=-1"]),
     (["+optim.schedule.warmup=5"], 2, ["optim.schedule has no key warmup", "warmup_steps, decay_steps, min_lr_ratio"]),
     (["optim.schedule.warmup_steps=-1"], 2, ["optim.schedule.warmup_steps", "Got -1"]),

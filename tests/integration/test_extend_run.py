@@ -132,3 +132,18 @@ def test_a_schedule_that_differs_on_the_trained_steps_is_said(tmp_path):
     assert "trained under another learning-rate schedule" not in stderr
     straight, _ = _run([*args, "optim.schedule.decay_steps=6", "trainer.max_steps=12"], tmp_path / "straight")
     assert kept["train_loss"] == straight["train_loss"]
+
+
+def test_a_run_by_epochs_taken_one_epoch_further(tmp_path):
+    """``trainer.max_epochs=1``, then ``max_epochs=2 ckpt_path=last``: the second epoch is the uninterrupted run's
+    (its data order from its start, not 5 batches in: the data position recorded once the epoch ended is epoch 1's
+    beginning, while Lightning's batch counters still hold epoch 0's). Epochs of 5 steps (``limit_train_batches``)."""
+    args = [*ARGS, "strategy=ddp", "trainer.devices=2", "trainer.max_steps=-1", "trainer.limit_train_batches=5",
+            "optim.schedule.decay_steps=0"]
+    straight, _ = _run([*args, "trainer.max_epochs=2"], tmp_path / "straight")
+    first, _ = _run([*args, "trainer.max_epochs=1"], tmp_path / "extended")
+    assert first["steps"] == 5
+    extended, stderr = _run([*args, "trainer.max_epochs=2", "ckpt_path=last"], tmp_path / "extended")
+    assert extended["steps"] == 10 and extended["train_loss"] == straight["train_loss"]
+    assert _same_weights(tmp_path / "extended", tmp_path / "straight")
+    assert NOT_RESUMABLE not in stderr

@@ -70,7 +70,7 @@ def test_hf_llama_under_hybrid4d_on_8_ranks(single, tmp_path):
     """tp=2 × pp=2 × dp=2 on one mesh: the single-process trajectory (1e-4 for 8 ranks, as the issue bounds it)."""
     mine = run_ok([*LLAMA, "strategy=hybrid4d", "strategy.tp=2", "strategy.pp=2", "strategy.microbatches=2",
                    "trainer.devices=8"], tmp_path / "run")
-    assert mine["dims"] == {"dp": 2, "sharding": 1, "tp": 2, "pp": 2, "ep": 1}
+    assert mine["dims"] == {"dp": 2, "sharding": 1, "cp": 1, "tp": 2, "pp": 2, "ep": 1}
     assert max_rel_diff(mine["train_loss"], single["train_loss"]) <= 1e-4
 
 

@@ -33,7 +33,7 @@ from omegaconf import OmegaConf
 
 REPO = Path(__file__).resolve().parents[2]
 # What the wheel is built from (setup.py lists the packages, README.md is the long description).
-SOURCES = ("pyproject.toml", "setup.py", "README.md", "src", "conf")
+SOURCES = ("pyproject.toml", "setup.py", "README.md", "src", "conf", "examples")
 TINY = [
     "+experiment=smoke",
     "model.n_layer=2",
@@ -157,16 +157,30 @@ def test_installed_command_runs_a_users_config_and_package_from_any_directory(in
         assert str(REPO) not in probe["sys_path"] and str(REPO / "src") not in probe["sys_path"], rank
 
 
+def test_the_wheel_carries_the_examples(installed, tmp_path):
+    """``parallelkit examples DIR`` writes, from the installed package, what examples/ holds."""
+    shipped = sorted(p.relative_to(REPO / "examples").as_posix() for p in (REPO / "examples").rglob("*")
+                     if p.is_file() and p.suffix in (".py", ".yaml") and "__pycache__" not in p.parts and "outputs" not in p.parts)
+    written = run(["parallelkit", "examples", "ex"], cwd=tmp_path, env=user_env(installed))
+    assert written.returncode == 0, written.stderr
+    assert sorted(p.relative_to(tmp_path / "ex").as_posix() for p in (tmp_path / "ex").rglob("*") if p.is_file()) == shipped
+    for name in shipped:
+        assert (tmp_path / "ex" / name).read_bytes() == (REPO / "examples" / name).read_bytes(), name
+
+
 def test_installed_help_matches_train_py_and_a_bad_choice_fails(installed, tmp_path):
     work = user_project(tmp_path)
     env = user_env(installed)
     reference = run([sys.executable, REPO / "train.py", "--help"], cwd=REPO)
     assert reference.returncode == 0, reference.stderr
-    assert "== Configuration groups ==" in reference.stdout and "strategy: " in reference.stdout
-    for command in (["parallelkit"], [installed.python, "-m", "parallelkit"]):
+    assert "Config groups" in reference.stdout and "  strategy=" in reference.stdout
+    for command, prog in ((["parallelkit"], "parallelkit"), ([installed.python, "-m", "parallelkit"], "python -m parallelkit")):
         helped = run([*command, "--help"], cwd=work, env=env)
         assert helped.returncode == 0, helped.stderr
-        assert helped.stdout == reference.stdout, command
+        # The same help, its examples named as the user invoked parallelkit.
+        as_train_py = reference.stdout.split("usage: ", 1)[1].split(" [GROUP", 1)[0]  # python train.py, as run from REPO
+        assert as_train_py == "python train.py"
+        assert helped.stdout == reference.stdout.replace(as_train_py, prog), command
 
     # Negative control: a choice no config directory has fails in Hydra, which names the user's option too.
     bad = run(["parallelkit", "hydra.searchpath=[file://./my_conf]", "model=nosuch", *TINY], cwd=work, env=env)
@@ -217,7 +231,21 @@ def test_readme_lightning_module_example_runs_installed_outside_the_checkout(ins
     shutil.copy2(script, tmp_path / script.name)
     proc = run(["python", script.name], cwd=tmp_path, env=user_env(installed), timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    # No library noise: Lightning's LeafSpec deprecation, FSDP2's "returned a view tensor" (issue 35).
+    noise = [line for line in proc.stderr.splitlines() if "Warning" in line or "deprecated" in line]
+    assert not noise, noise
     (line,) = [line for line in proc.stdout.splitlines() if line.startswith("train_loss")]
     val_loss = float(line.split()[-1])
     # The target's variance is 2.8 (sin of 4 normals plus a product of two): the model learned most of it.
     assert val_loss < 0.7, line
+
+
+def test_readme_own_model_by_target_runs_installed_from_any_directory(installed, tmp_path):
+    """The README's `parallelkit examples` + `model._target_=` block, as written, with only the wheel installed."""
+    block = readme_block("own-model-target")
+    proc = run(["bash", "-ec", block], cwd=tmp_path, env=user_env(installed), timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (summary,) = (tmp_path / "my_examples" / "user_package" / "outputs").glob("*/summary.json")
+    assert json.loads(summary.read_text())["world_size"] == 2
+    config = OmegaConf.load(summary.parent / ".hydra" / "config.yaml")
+    assert OmegaConf.to_container(config.model) == {"_target_": "mynet.CharMLP", "hidden": 128}

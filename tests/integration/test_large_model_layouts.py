@@ -43,7 +43,7 @@ def test_llama_tp_sp_pp_in_bf16_matches_single_in_bf16(tied, singles, tmp_path):
     extra = [*BF16, *(TIED if tied else [])]
     single = singles("bf16_tied" if tied else "bf16", *extra)
     run = run_ok([*LLAMA, *extra, *HYBRID], tmp_path / "run")
-    assert run["dims"] == {"dp": 1, "sharding": 1, "tp": 2, "pp": 2, "ep": 1}
+    assert run["dims"] == {"dp": 1, "sharding": 1, "cp": 1, "tp": 2, "pp": 2, "ep": 1}
     assert max_rel_diff(run["train_loss"], single["train_loss"]) <= BF16_TOL, (run["train_loss"], single["train_loss"])
     assert run["train_loss"][-1] < run["train_loss"][0] - 0.3  # it learned
     kinds = {k for k, v in run["comm"]["by_kind"].items() if v["bytes_per_step"] > 0}

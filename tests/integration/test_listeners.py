@@ -43,3 +43,39 @@ def test_negative_control_a_wildcard_master_addr_is_seen(tmp_path):
     """MASTER_ADDR=0.0.0.0 asks for every interface: the same check must find the store's wildcard listener."""
     found = listeners_of_a_run(tmp_path, ["strategy=ddp", "trainer.devices=2"], env={"MASTER_ADDR": "0.0.0.0"})
     assert not_loopback(found[0]), found
+
+
+def _listeners_of_a_bench_loop(script: str, tmp_path: Path, env: dict | None = None) -> list[str]:
+    """Every socket the ranks of ``bench/<script>`` listen on, sampled from the kernel while it runs (3 steps, tiny)."""
+    import subprocess
+    import sys
+    import time
+
+    from parallelkit.distributed.listeners import listening_sockets
+
+    bench = HERE.parents[1] / "bench"
+    command = [sys.executable, str(bench / script), "--out", str(tmp_path), "--steps", "3", "--n-layer", "1", "--n-embd", "32",
+               "--global-batch-size", "4", "--warmup-steps", "1"]
+    proc = subprocess.Popen(command, cwd=tmp_path, env={**os.environ, **(env or {})}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    seen: set[str] = set()
+    while proc.poll() is None:
+        pids = [str(proc.pid)]
+        try:
+            pids += Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+            for pid in pids:
+                seen.update(listening_sockets(pid))
+        except OSError:  # a rank ended between two reads
+            pass
+        time.sleep(0.05)
+    assert proc.returncode == 0, proc.stdout.read()[-3000:]
+    return sorted(seen)
+
+
+@pytest.mark.parametrize("script", ["ddp_loop.py", "fsdp2_loop.py"])
+def test_the_hand_written_bench_loops_listen_on_loopback_only(script, tmp_path):
+    seen = _listeners_of_a_bench_loop(script, tmp_path)
+    assert seen and not not_loopback(seen), seen
+
+
+def test_negative_control_a_bench_loop_with_a_wildcard_master_addr_is_seen(tmp_path):
+    assert not_loopback(_listeners_of_a_bench_loop("ddp_loop.py", tmp_path, env={"MASTER_ADDR": "0.0.0.0"}))

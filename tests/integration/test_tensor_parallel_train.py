@@ -53,7 +53,7 @@ def tp2(tmp_path_factory) -> tuple[dict, Path]:
 def test_tp2_reproduces_single_and_counts_megatron_traffic(single, tp2):
     reference, _ = single
     summary, run_dir = tp2
-    assert summary["strategy"] == "tp" and summary["dims"] == {"dp": 1, "sharding": 1, "tp": 2, "pp": 1, "ep": 1}
+    assert summary["strategy"] == "tp" and summary["dims"] == {"dp": 1, "sharding": 1, "cp": 1, "tp": 2, "pp": 1, "ep": 1}
     assert summary["steps"] == reference["steps"] == 20
     assert max_rel_diff(summary["train_loss"], reference["train_loss"]) <= REL_TOL
     assert summary["train_loss"][-1] < summary["train_loss"][0] - 0.2
@@ -102,7 +102,7 @@ def test_sequence_parallel_reproduces_single_with_allgather_reducescatter(single
 def test_tp2_dp2_on_four_ranks_reproduces_single(single, tmp_path):
     reference, _ = single
     summary = run_ok([*TINY, "strategy=tp", "strategy.tp=2", "trainer.devices=4"], tmp_path / "run")
-    assert summary["dims"] == {"dp": 2, "sharding": 1, "tp": 2, "pp": 1, "ep": 1}
+    assert summary["dims"] == {"dp": 2, "sharding": 1, "cp": 1, "tp": 2, "pp": 1, "ep": 1}
     assert max_rel_diff(summary["train_loss"], reference["train_loss"]) <= REL_TOL
     # Each tp group reads half of the global batch: b = 4 in Megatron's count.
     block_bytes, block_calls, _ = block_traffic(summary)

@@ -66,7 +66,7 @@ def test_ddp_reproduces_single_process_loss(single_reference, tmp_path):
     ddp = run_ok([*TINY, "strategy=ddp", "trainer.devices=2"], tmp_path / "run", cold=True)
 
     assert ddp["strategy"] == "ddp" and ddp["world_size"] == 2
-    assert ddp["dims"] == {"dp": 2, "sharding": 1, "tp": 1, "pp": 1, "ep": 1}
+    assert ddp["dims"] == {"dp": 2, "sharding": 1, "cp": 1, "tp": 1, "pp": 1, "ep": 1}
     assert ddp["steps"] == single_reference["steps"] == 20
     assert max_rel_diff(ddp["train_loss"], single_reference["train_loss"]) <= REL_TOL
     # Training did something: the loss fell.

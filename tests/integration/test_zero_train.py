@@ -97,7 +97,7 @@ def _check_stage(run: dict, single: dict, stage: int, n: int) -> None:
 @pytest.mark.parametrize("stage", [2, 3])
 def test_grouped_sharding_matches_single_process(single, stage, tmp_path):
     run = run_ok([*ZTINY, "strategy=zero", f"strategy.stage={stage}", "strategy.sharding_group=2", "trainer.devices=4"], tmp_path / "run")
-    assert run["dims"] == {"dp": 2, "sharding": 2, "tp": 1, "pp": 1, "ep": 1}
+    assert run["dims"] == {"dp": 2, "sharding": 2, "cp": 1, "tp": 1, "pp": 1, "ep": 1}
     assert max_rel_diff(run["train_loss"], single["train_loss"]) <= REL_TOL
     psi = run["num_params"]
     # Sharded over the group of 2, replicated across the 2 groups: the formula for N = 2.

@@ -102,3 +102,29 @@ def test_attention_dropout_is_refused_at_the_call():
     q = torch.zeros(1, 2, 4, 8)
     with pytest.raises(ConfigError, match="attention dropout"):
         handle.attention(q, q, q, dropout_p=0.1, is_causal=True)
+
+
+@pytest.mark.parametrize("diagonal", [False, True])
+def test_a_ring_block_is_the_same_by_the_tiled_kernel_and_by_plain_matrices(diagonal):
+    """The ring computes each block with torch's tiled CPU kernel (memory linear in the chunk) and elsewhere with plain
+    matrices: both give the block's output, log-sum-exp and, given the whole attention's output and normaliser, the
+    same gradients as autograd through softmax over the whole row (float64 reference)."""
+    from parallelkit.distributed.context_parallel_attention import _block_backward, _block_forward
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 8, 16, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    scale = 0.25
+    scores = (q @ k.transpose(-1, -2)) * scale
+    if diagonal:
+        scores = scores.masked_fill(torch.ones(8, 8, dtype=torch.bool).triu(1), float("-inf"))
+    reference = torch.softmax(scores, -1) @ v
+    do = torch.randn_like(reference)
+    reference.backward(do)
+    for flash in (True, False):
+        args = [t.detach().float() for t in (q, k, v)]
+        out, lse = _block_forward(*args, scale, diagonal, flash=flash)
+        assert torch.allclose(out.double(), reference.detach(), atol=1e-5)
+        assert torch.allclose(lse.double(), torch.logsumexp(scores.detach(), -1), atol=1e-5)
+        grads = _block_backward(do.float(), *args, out, lse, scale, diagonal, flash=flash)
+        for got, want in zip(grads, (q.grad, k.grad, v.grad)):
+            assert torch.allclose(got.double(), want, atol=1e-4), flash

@@ -218,3 +218,27 @@ def test_export_of_a_tied_model_writes_one_weight(tmp_path):
     _tied_checkpoint(tmp_path, "drifted.ckpt", 1e-2)
     with pytest.raises(ConfigError, match="two copies of that weight .* differ"):
         export(tmp_path / "drifted.ckpt", tmp_path / "out2")
+
+
+def test_a_fixed_vocabulary_is_held_against_the_ids_the_tokenizer_produces(tmp_path):
+    """Byte-level text: 257 ids (256 bytes and the end-of-document id), padded to 320 by data.vocab_multiple=64.
+    The message says 256 and 257 (not the padding's 319), and the fix it suggests builds."""
+    from parallelkit.data.text import BYTE_VOCAB
+
+    def save_config(vocab: int, name: str) -> None:
+        config = tiny().hf.config
+        config.vocab_size = vocab
+        config.save_pretrained(tmp_path / name)
+
+    save_config(256, "v256")  # a model sized like bytes without the end-of-document id
+    with pytest.raises(ConfigError) as refused:
+        HFCausalLM(320, 16, config=str(tmp_path / "v256"), tokenizer_vocab_size=BYTE_VOCAB)
+    message = str(refused.value)
+    assert f"produces ids up to {BYTE_VOCAB - 1} ({BYTE_VOCAB} ids)" in message and "319" not in message
+    fix = message.split("+model.overrides.", 1)[1].split(" ", 1)[0]  # "vocab_size=257"
+    key, value = fix.split("=")
+    fixed = HFCausalLM(320, 16, config=str(tmp_path / "v256"), tokenizer_vocab_size=BYTE_VOCAB, overrides={key: int(value)})
+    assert fixed.config.vocab_size == BYTE_VOCAB
+    # A vocabulary that holds every id is enough, whatever the padding for tensor parallelism would have been.
+    save_config(300, "v300")
+    assert HFCausalLM(320, 16, config=str(tmp_path / "v300"), tokenizer_vocab_size=BYTE_VOCAB).config.vocab_size == 300

@@ -25,10 +25,10 @@ def test_png_goes_beside_the_json_named_by_the_layout(tmp_path, monkeypatch, cap
     (tmp_path / "out").mkdir()
     assert main([*TINY, "strategy=auto", "trainer.devices=4", "--json", "out/plan.json"]) == 0
     chosen = json.loads((tmp_path / "out" / "plan.json").read_text())["chosen"]["layout"]
-    beside = tmp_path / "out" / ("plan_" + "_".join(f"{a}{chosen[a]}" for a in ("dp", "sharding", "tp", "pp", "ep")) + ".png")
+    beside = tmp_path / "out" / ("plan_" + "_".join(f"{a}{chosen[a]}" for a in ("dp", "sharding", "cp", "tp", "pp", "ep")) + ".png")
     assert beside.read_bytes()[:4] == b"\x89PNG"
     assert main([*TINY, "strategy=hybrid4d", "strategy.tp=2", "strategy.pp=1", "trainer.devices=2"]) == 0
-    assert (tmp_path / "plan_dp1_sharding1_tp2_pp1_ep1.png").read_bytes()[:4] == b"\x89PNG"
+    assert (tmp_path / "plan_dp1_sharding1_cp1_tp2_pp1_ep1.png").read_bytes()[:4] == b"\x89PNG"
     out, err = capsys.readouterr()
     assert f"rank grid drawn to {beside.relative_to(tmp_path)}" in out and err == ""  # one stream
     assert main([*TINY, "strategy=hybrid4d", "trainer.devices=4", "--json", "x.json"]) == 2  # nothing to write: refused

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 
+from parallelkit.planner.memory import layer_activation_bytes
 from parallelkit.planner.validation import parallelkit_can_run, runs, validate
 
 RUNS = runs()
@@ -20,6 +21,9 @@ KNOWN_MISSES = {
                            "V = 8, N = PP, asynchronous p2p, stage outputs freed) the planner needs 88.7 GiB on pipeline rank 1 "
                            "(141 one-block chunks of 0.50 GiB in flight, 17.8 GiB of gathered bf16 weights and fp32 gradients) "
                            "and predicts 1.41x the published throughput (plain 1F1B: 78.2 GiB, 1.02x)",
+    "llama3_405b_128k_cp16": "the same pipeline measures at CP 16 (each rank's 8,192 tokens of a 131,072-token sequence): pipeline "
+                             "rank 1 needs 81.8 GiB (all 128 one-block chunk-micro-batches of 0.50 GiB in flight with m = 16 = PP) "
+                             "and the prediction is 1.31x the published 380 TFLOPs/GPU",
 }
 
 
@@ -69,3 +73,21 @@ def test_bloom_cannot_be_split_for_reasons_of_the_model_not_of_its_tied_embeddin
     for words in ("base_model_tp_plan", "decoder loop", "cannot be split evenly over dp × sharding = 384"):
         assert words in result.auto_note
     assert "tie" not in result.auto_note
+
+
+def test_llama3_long_context_row_is_table_4s_context_parallel_layout():
+    """Llama 3 405B's 128K stage (arXiv:2407.21783, Table 4): TP 8, CP 16, PP 16, DP 8 on 16,384 GPUs, 16 sequences of
+    131,072 tokens per data-parallel rank, 380 TFLOPs/GPU by the paper's FLOP count (6N + 12·l·h·s per token)."""
+    result = validate("llama3_405b_128k_cp16", RUNS["llama3_405b_128k_cp16"], with_auto=False)
+    lay, w = result.published.layout, result.workload
+    assert (lay.dims.data_parallel_size, lay.cp, lay.tp, lay.pp, lay.world) == (8, 16, 8, 16, 16384)
+    assert (w.seq_len, w.global_batch) == (131072, 16 * 8)
+    layers, hidden = 126, 16384  # the paper's Table 3
+    assert result.published_tokens_per_s == pytest.approx(380e12 / (6 * w.num_params + 12 * layers * hidden * 131072))
+    assert 405e9 < w.num_params < 406e9
+    # Each rank holds s/cp tokens: the ring's keys and values travel, and the layer's activations are those of 8,192 tokens.
+    assert result.published.comm_bytes["cp"] > 0 and result.published.time.comm["cp"] > 0
+    # A block's activations per micro-batch: those of the 8K stage's 8,192-token sequences (flash attention keeps no scores).
+    short = validate("llama3_405b_8k_gpus", RUNS["llama3_405b_8k_gpus"], with_auto=False).workload
+    assert layer_activation_bytes(w, 1, 8, sequence_parallel=True, cp=16) == pytest.approx(
+        layer_activation_bytes(short, 1, 8, sequence_parallel=True), rel=1e-12)

@@ -129,3 +129,29 @@ def test_write_atomically_keeps_the_old_file_when_a_write_fails(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["last.ckpt"]  # no temporary file left behind
     write_atomically(target, lambda file: file.write(b"the new one"))
     assert target.read_bytes() == b"the new one"
+
+
+class _RunsCode:
+    """A crafted checkpoint object: unpickling it runs ``os.system`` (what weights_only=False would allow)."""
+
+    def __init__(self, marker) -> None:
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        import os
+
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_reading_a_checkpoint_step_runs_no_pickled_code(tmp_path):
+    marker = tmp_path / "ran"
+    torch.save({"global_step": 3, "payload": _RunsCode(marker)}, tmp_path / "last.ckpt")
+    assert checkpoint_step(tmp_path / "last.ckpt") is None  # unreadable, not executed
+    assert not marker.exists()
+
+
+def test_a_checkpoint_with_tensors_and_a_trusted_type_still_gives_its_step(tmp_path):
+    from torch.distributed.checkpoint.metadata import MetadataIndex  # a torch type outside weights_only's defaults
+
+    torch.save({"global_step": 7, "state_dict": {"w": torch.ones(2)}, "extra": MetadataIndex("w")}, tmp_path / "last.ckpt")
+    assert checkpoint_step(tmp_path / "last.ckpt") == 7

@@ -55,10 +55,19 @@ class StepRichProgressBar(_StepBounded, RichProgressBar):
             if _step_bounded(trainer):
                 self._update(self.train_progress_bar_id, trainer.global_step)
             return
-        # Lightning's reset would draw the bar at 0 before the update below: reset it at the step reached.
-        self.progress.reset(self.train_progress_bar_id, total=self.total_train_batches, completed=trainer.global_step,
-                            description=self._get_train_description(trainer.current_epoch), visible=True)
+        # Lightning resets the bar each epoch (drawn at 0, its clock restarted): moved on instead, so that it shows
+        # the step reached and the run's time, not the epoch's.
+        self.progress.update(self.train_progress_bar_id, total=self.total_train_batches, completed=trainer.global_step,
+                             description=self._get_train_description(trainer.current_epoch), visible=True)
         self.refresh()
+
+    @override
+    def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
+        super().on_train_epoch_end(trainer, pl_module)
+        if _step_bounded(trainer) and trainer.global_step >= trainer.max_steps:
+            # The run's last step: the bar's final line, once. Left running until teardown, it is drawn again after
+            # every line printed meanwhile (Lightning's "`Trainer.fit` stopped", the run's summary table).
+            self._stop_progress()
 
     @override
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:

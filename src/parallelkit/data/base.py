@@ -97,6 +97,11 @@ class DataParallelDataModule(pl.LightningDataModule):
             return {}
         # ``processed`` counts the batches whose training step finished in this epoch (checkpoints are
         # written in on_train_batch_end, after the count; the loader itself has prefetched one more).
+        epochs = trainer.fit_loop.epoch_progress.current
+        if epochs.completed == epochs.started:
+            # Written after an epoch ended (current_epoch already counts it): the next epoch starts at its beginning,
+            # though the batch counters still hold the finished epoch's until the next one starts.
+            return {"epoch": trainer.current_epoch, "batches_done": 0}
         return {"epoch": trainer.current_epoch, "batches_done": trainer.fit_loop.epoch_loop.batch_progress.current.processed}
 
     @override
@@ -109,11 +114,24 @@ class DataParallelDataModule(pl.LightningDataModule):
 
     @override
     def val_dataloader(self) -> DataLoader:
-        rank = self._data_parallel_rank()
+        sampler = self._val_sampler(self._data_parallel_rank())
+        return DataLoader(self.val_set, batch_sampler=sampler, num_workers=self.num_workers)
+
+    def _val_sampler(self, rank: int) -> DataParallelBatchSampler:
         micro = self.val_batch_size or self.plan.micro_batch_size * self.plan.accumulate
         plan = BatchPlan(micro * self.plan.data_parallel_size, micro, self.plan.data_parallel_size, 1)
-        sampler = DataParallelBatchSampler(len(self.val_set), plan, rank, self.seed, shuffle=False)
-        return DataLoader(self.val_set, batch_sampler=sampler, num_workers=self.num_workers)
+        return DataParallelBatchSampler(len(self.val_set), plan, rank, self.seed, shuffle=False)
+
+    def empty_validation(self) -> str | None:
+        """Why validation would have no batch on some rank (after :meth:`configure`), or None: it has batches.
+        Lightning would only say "Total length of DataLoader across ranks is zero" and skip it."""
+        sampler = self._val_sampler(0)
+        if len(sampler) > 0:
+            return None
+        micro, ranks = sampler.plan.micro_batch_size, sampler.plan.data_parallel_size
+        return (f"the validation set holds {len(self.val_set)} samples, fewer than one batch of {micro} on each of {ranks} "
+                f"data-parallel rank(s) ({micro * ranks}); a larger data.val_fraction, a smaller data.val_batch_size or more "
+                "data gives it one")
 
 
 class PositionedDataLoader(DataLoader):

@@ -164,6 +164,45 @@ def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, diagonal: bool) -> t
     return s
 
 
+def _sequence_major(x: torch.Tensor) -> torch.Tensor:
+    """``x`` (batch, heads, seq, dim) stored as (batch, seq, heads, dim), as SDPA returns it: the model's
+    ``transpose(1, 2).reshape(batch, seq, -1)`` before its output projection is then a view, not a second copy kept
+    for backward."""
+    return x.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+def _flash(q: torch.Tensor) -> bool:
+    return q.device.type == "cpu" and q.dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+
+
+def _block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, diagonal: bool,
+                   flash: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One (query chunk, key chunk) block: its output normalised over its own keys, and the rows' log-sum-exp.
+
+    On CPU torch's tiled (flash) kernel, whose memory grows with the chunk length, not its square: a ring rank then
+    holds no more than one process's SDPA does. Elsewhere the plain matrices (a GPU's flash kernels take other paths)."""
+    if _flash(q) if flash is None else flash:
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q.contiguous(), k.contiguous(), v.contiguous(), 0.0,
+                                                                              diagonal, scale=scale)
+        return out, lse
+    scores = _scores(q, k, scale, diagonal)
+    lse = torch.logsumexp(scores, dim=-1)
+    return torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), v), lse
+
+
+def _block_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                    scale: float, diagonal: bool, flash: bool | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The block's share of dq, dk, dv, given the whole attention's output and row log-sum-exp (``out``, ``lse``): its
+    probabilities recomputed with the final normaliser are the block of the full softmax, so the usual attention
+    backward applies block by block (softmax's row term ``rowsum(dO ∘ O)`` from the whole output)."""
+    if _flash(q) if flash is None else flash:
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            do.contiguous(), q.contiguous(), k.contiguous(), v.contiguous(), out.contiguous(), lse.contiguous(), 0.0, diagonal, scale=scale)
+    p = torch.exp(_scores(q, k, scale, diagonal) - lse.unsqueeze(-1))
+    ds = p * (torch.matmul(do, v.transpose(-1, -2)) - (do * out).sum(-1, keepdim=True))
+    return torch.matmul(ds, k) * scale, torch.matmul(ds.transpose(-1, -2), q) * scale, torch.matmul(p.transpose(-1, -2), do)
+
+
 @dataclass
 class RingCounts:
     """(query chunk, key chunk) blocks one rank computed and skipped (fully masked) in :func:`ring_attention`.
@@ -243,9 +282,7 @@ class _RingAttention(torch.autograd.Function):
                 counts.forward_blocks += len(pairs)
                 counts.skipped_blocks += 4 - len(pairs)
             for qi, ki, diagonal in pairs:
-                s = _scores(q_halves[qi], _repeat_kv(k_halves[ki], groups), scale, diagonal)
-                lse = torch.logsumexp(s, dim=-1)
-                out = torch.matmul(torch.exp(s - lse.unsqueeze(-1)), _repeat_kv(v_halves[ki], groups))
+                out, lse = _block_forward(q_halves[qi], _repeat_kv(k_halves[ki], groups), _repeat_kv(v_halves[ki], groups), scale, diagonal)
                 if outs[qi] is None:
                     outs[qi], lses[qi] = out, lse
                 elif lse_merge:
@@ -258,7 +295,7 @@ class _RingAttention(torch.autograd.Function):
                     outs[qi] = (outs[qi] + out) / 2
             if pending is not None:
                 kv = _Ring.finish(pending)
-        out = torch.cat(outs, dim=2)
+        out = _sequence_major(torch.cat(outs, dim=2))
         lse = torch.cat(lses, dim=2)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.group, ctx.causal, ctx.scale, ctx.stats, ctx.counts = group, causal, scale, stats, counts
@@ -274,8 +311,7 @@ class _RingAttention(torch.autograd.Function):
         do = grad_out.to(work_dtype)
         do_halves = do.chunk(2, dim=2)
         lse_halves = lse.chunk(2, dim=2)
-        # softmax backward's row term: sum_j P_ij dP_ij = rowsum(dO ∘ O).
-        delta_halves = (do * out).sum(-1).chunk(2, dim=2)
+        out_halves = out.chunk(2, dim=2)
         dq_halves = [torch.zeros_like(h) for h in q_halves]
         kv = torch.stack([k, v]).contiguous()
         grad_pending = None  # the gradient accumulated so far for the keys/values this rank holds now
@@ -289,15 +325,11 @@ class _RingAttention(torch.autograd.Function):
                 ctx.counts.backward_blocks += len(pairs)
             for qi, ki, diagonal in pairs:
                 kr, vr = _repeat_kv(k_halves[ki], groups), _repeat_kv(v_halves[ki], groups)
-                # Recompute the block's probabilities with the final row normaliser: P is then the block of
-                # the full softmax, and the usual attention backward applies block by block.
-                p = torch.exp(_scores(q_halves[qi], kr, ctx.scale, diagonal) - lse_halves[qi].unsqueeze(-1))
-                dp = torch.matmul(do_halves[qi], vr.transpose(-1, -2))
-                ds = p * (dp - delta_halves[qi].unsqueeze(-1))
-                dq_halves[qi] += torch.matmul(ds, kr) * ctx.scale
+                dq, dk, dv = _block_backward(do_halves[qi], q_halves[qi], kr, vr, out_halves[qi], lse_halves[qi], ctx.scale, diagonal)
+                dq_halves[qi] += dq
                 half = slice(ki * kv.shape[3] // 2, (ki + 1) * kv.shape[3] // 2)
-                dkv[0, :, :, half] += _sum_kv(torch.matmul(ds.transpose(-1, -2), q_halves[qi]) * ctx.scale, groups)
-                dkv[1, :, :, half] += _sum_kv(torch.matmul(p.transpose(-1, -2), do_halves[qi]), groups)
+                dkv[0, :, :, half] += _sum_kv(dk, groups)
+                dkv[1, :, :, half] += _sum_kv(dv, groups)
             if grad_pending is not None:  # received while this step computed: the earlier ranks' contributions
                 dkv += _Ring.finish(grad_pending)
             # Pass the gradient on behind its keys/values; after cp hops it is back on the rank that owns them.
@@ -352,18 +384,22 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Any
     return _RingAttention.apply(q, k, v, group, causal, scale, stats, counts, _lse_merge)
 
 
-def ring_payload_bytes(kv_bytes: int, cp: int, backward: bool = True) -> int:
+def ring_payload_bytes(kv_bytes: int, cp: int, backward: bool = True, grad_kv_bytes: int | None = None) -> int:
     """Payload bytes one rank sends in :func:`ring_attention` (``kv_bytes``: its local ``k`` in bytes; ``v`` the same).
 
-    Forward: ``(cp − 1)`` hops of ``k`` and ``v``; backward: ``(cp − 1)`` again plus ``cp`` hops of their gradients.
-    Transport overheads (gloo's message preambles) are not included: see ``comm_stats.wire_bytes``.
+    Forward: ``(cp − 1)`` hops of ``k`` and ``v``; backward: ``(cp − 1)`` again plus ``cp`` hops of their gradients,
+    which travel in fp32 when the inputs are bf16/fp16 (they are summed over the hops): ``grad_kv_bytes`` is then
+    twice ``kv_bytes`` (default: equal). Transport overheads (gloo's message preambles) are not included: see
+    ``comm_stats.wire_bytes``.
 
     Example::
 
         ring_payload_bytes(k_local.numel() * k_local.element_size(), cp=4)   # 10 hops × 2·|k|
     """
-    hops = (cp - 1) + ((2 * cp - 1) if backward else 0)
-    return hops * 2 * kv_bytes if cp > 1 else 0
+    if cp == 1:
+        return 0
+    grad = kv_bytes if grad_kv_bytes is None else grad_kv_bytes
+    return 2 * ((cp - 1) * kv_bytes + ((cp - 1) * kv_bytes + cp * grad if backward else 0))
 
 
 # ---------------------------------------------------------------------------------------- all-to-all
@@ -401,7 +437,7 @@ def _heads_to_seq(x: torch.Tensor, cp: int, group: Any, stats: CommStats | None)
     send = torch.stack([load_balanced_shard(x, cp, r, dim=2) for r in range(cp)])  # block r: rank r's tokens
     received = _AllToAll.apply(send, group, stats)  # block j: head shard j of my tokens
     cp_, b, hl, s, d = received.shape
-    return received.transpose(0, 1).reshape(b, cp_ * hl, s, d)
+    return received.permute(1, 3, 0, 2, 4).reshape(b, s, cp_ * hl, d).transpose(1, 2)  # sequence-major, as SDPA's
 
 
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Any = None, *, causal: bool = True,

@@ -19,9 +19,7 @@ EXIT_PEER_FAILURE = 3
 EXIT_DIVERGED = 4  # the loss became NaN/inf
 EXIT_WRITE_FAILED = 5  # an output (a checkpoint) could not be written; the previous one is intact
 EXIT_SIGTERM = 128 + 15  # the shell's convention for a process ended by SIGTERM
-# The configs an installed parallelkit carries: the repository's conf/, shipped as the package parallelkit.conf
-# (pyproject.toml, setup.py). train.py reads its checkout's conf/ directly instead (see there).
-PACKAGED_CONFIGS = "pkg://parallelkit.conf"
+from parallelkit.launch.command_line import PACKAGED_CONFIGS  # noqa: F401 - its historical home
 
 
 def hydra_main(config_path: str) -> Callable[[], None]:
@@ -45,7 +43,25 @@ def hydra_main(config_path: str) -> Callable[[], None]:
     def main(cfg: DictConfig) -> None:
         run_or_explain(cfg)
 
-    return main
+    def entry() -> None:
+        """parallelkit's own ``--help``, ``--version`` and ``examples DIR``; ``G._target_=X`` alone replaces group G
+        (:func:`~parallelkit.launch.command_line.replace_groups_by_target`); then Hydra."""
+        from parallelkit.launch import command_line as cl
+
+        args = sys.argv[1:]
+        if args[:1] == ["examples"]:
+            if len(args) != 2:
+                raise SystemExit(f"usage: {cl.invoked_as()} examples DIR   (writes the examples into DIR)")
+            print(cl.write_examples(args[1]))
+        elif "--version" in args:
+            print(cl.version_text())
+        elif "-h" in args or "--help" in args:
+            print(cl.help_text(config_path, [a for a in args if a not in ("-h", "--help")]))
+        else:
+            sys.argv[1:] = cl.replace_groups_by_target(args, list(cl.config_groups(config_path)))
+            main()
+
+    return entry
 
 
 # Whether a job of this process failed with an exception (Hydra reports it and exits 1): tells exit_after
@@ -77,7 +93,7 @@ def _run_or_explain(cfg: DictConfig) -> None:
         if local_ranks.is_started_rank():
             os._exit(0)
         local_ranks.abort()
-    finished = False
+    finished = refused = False
     try:
         with local_ranks.job_environment():
             try:
@@ -91,6 +107,7 @@ def _run_or_explain(cfg: DictConfig) -> None:
             finished = True
     except ConfigError as err:
         print(f"parallelkit: error: {err}", file=sys.stderr, flush=True)
+        refused = True
         raise SystemExit(EXIT_CONFIG_ERROR) from None
     except TrainingDiverged as err:
         print(f"parallelkit: error: {err}", file=sys.stderr, flush=True)
@@ -119,6 +136,18 @@ def _run_or_explain(cfg: DictConfig) -> None:
     finally:
         if local_ranks.started():
             local_ranks.finish() if finished else local_ranks.abort()
+        if refused and not local_ranks.is_started_rank():  # after its ranks are gone: nothing writes there any more
+            _forget_refused_job()
+
+
+def _forget_refused_job() -> None:
+    """A refused run leaves its run directory as it found it ("exit code 2 and nothing written")."""
+    from hydra.core.hydra_config import HydraConfig
+
+    from parallelkit.launch.resolvers import forget_refused_job, launcher_rank
+
+    if HydraConfig.initialized() and launcher_rank() == 0:
+        forget_refused_job(HydraConfig.get().runtime.output_dir)
 
 
 def _multirun() -> bool:

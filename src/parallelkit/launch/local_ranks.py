@@ -7,9 +7,10 @@ deterministic: the run directory comes from the overrides), validates it and bui
 treats the processes as externally launched. There is one path, started at one of two moments:
 
 - **before Hydra** (:func:`prepare_process`, first thing in ``train.py`` and the ``parallelkit`` command)
-  when the command line says ``trainer.devices=N``: the ranks import torch and Lightning while rank 0 does
+  when the command line says ``trainer.devices=N`` and the strategy's degrees, composed with Hydra's compose
+  API, fit N processes (bad degrees start no process): the ranks import torch and Lightning while rank 0 does
   (on 2 cores the first step comes 2.6 s after launch instead of 5.7 s with Lightning's own launcher);
-- **once the job's devices are known** (:func:`ensure_started`, from :func:`parallelkit.run.run`) otherwise:
+- **once the job's devices and degrees are validated** (:func:`ensure_started`, from :func:`parallelkit.run.run`) otherwise:
   a sweep's jobs (each gets its exact overrides and output directory, no ``-m``), devices set by a config
   file, or a strategy's default count.
 
@@ -82,7 +83,7 @@ def is_started_rank() -> bool:
 # ----------------------------------------------------------------------------------------------- rank 0
 # Command-line flags after which Hydra does not run a job (help, config printing, sweeps), or runs many.
 _NO_SINGLE_JOB = ("-m", "--multirun", "-h", "--help", "--hydra-help", "-c", "--cfg", "-i", "--info", "-p", "--package",
-                  "--resolve", "-sc", "--shell-completion", "--experimental-rerun")
+                  "--resolve", "-sc", "--shell-completion", "--experimental-rerun", "--version", "examples")
 
 
 def devices_on_command_line(argv: list[str]) -> int:
@@ -101,11 +102,13 @@ def devices_on_command_line(argv: list[str]) -> int:
     return devices if devices > 1 else 0
 
 
-def prepare_process(argv: list[str] | None = None) -> None:
-    """First thing in an entry point, before Hydra and torch are imported.
+def prepare_process(argv: list[str] | None = None, config_path: str | None = None) -> None:
+    """First thing in an entry point, before torch is imported.
 
     In a rank this module started: watch rank 0 and hold stderr back until the config composed. In a
-    launching process whose command line says ``trainer.devices=N``: start ranks 1..N-1 now.
+    launching process whose command line says ``trainer.devices=N``: start ranks 1..N-1 now, if the strategy's
+    degrees (composed from ``config_path``) fit N processes; otherwise the job starts them once it has
+    validated its degrees (:func:`ensure_started`), so that bad degrees start no process at all.
     """
     if is_started_rank():
         global _job, _watch
@@ -114,7 +117,12 @@ def prepare_process(argv: list[str] | None = None) -> None:
         threading.Thread(target=_watch_rank0, daemon=True, name="parallelkit-rank0-watch").start()
         _hold_stderr()
         return
-    count = devices_on_command_line(sys.argv[1:] if argv is None else argv)
+    args = sys.argv[1:] if argv is None else argv
+    count = devices_on_command_line(args)
+    if count and config_path is not None:
+        from parallelkit.launch.command_line import config_groups, degrees_allow_early_start, replace_groups_by_target
+
+        count = count if degrees_allow_early_start(config_path, replace_groups_by_target(args, list(config_groups(config_path))), count) else 0
     if count:
         _start(count, _script_command())
         _job.before_hydra = True

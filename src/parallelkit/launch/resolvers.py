@@ -43,6 +43,43 @@ def rank_zero_value(value: str) -> str | None:
 
 
 _CONFIG_SUBDIRS: dict[str, str] = {}  # run directory → this process's choice (Hydra reads the setting twice)
+# Run directory → what it held before this job (Hydra has created it and opened the job's log file by the time
+# it asks for the config's subdirectory): a refused job takes back what it added (forget_refused_job).
+_HELD_BEFORE: dict[str, frozenset[str]] = {}
+
+
+def _held_before(output_dir: str) -> frozenset[str]:
+    """The directory's entries, without the log files this job (or its early-started ranks) just created empty."""
+    def just_created(name: str) -> bool:
+        path = os.path.join(output_dir, name)
+        return name.endswith(".log") and os.path.isfile(path) and os.path.getsize(path) == 0
+
+    try:
+        return frozenset(name for name in os.listdir(output_dir) if not just_created(name))
+    except OSError:
+        return frozenset()
+
+
+def forget_refused_job(output_dir: str) -> None:
+    """Rank 0 of a job refused before training: the run directory as it was. A directory the job created goes
+    (``.hydra/``, empty logs: "nothing written"); in an earlier run's directory only this job's ``.hydra-N/``
+    record and log files go, so that the next real run writes ``.hydra/`` (or the next free ``.hydra-N/``)."""
+    import shutil
+
+    output_dir = os.path.abspath(output_dir)
+    before = _HELD_BEFORE.pop(output_dir, None)
+    _CONFIG_SUBDIRS.pop(output_dir, None)
+    if before is None or not os.path.isdir(output_dir):
+        return
+    if not before and not os.path.abspath(os.getcwd()).startswith(output_dir):
+        shutil.rmtree(output_dir, ignore_errors=True)
+        return
+    for name in set(os.listdir(output_dir)) - before:
+        path = os.path.join(output_dir, name)
+        if name.startswith(".hydra") and os.path.isdir(path):
+            shutil.rmtree(path, ignore_errors=True)
+        elif name.endswith(".log"):
+            os.remove(path)
 
 
 def config_subdir(output_dir: str) -> str | None:
@@ -52,6 +89,7 @@ def config_subdir(output_dir: str) -> str | None:
     if launcher_rank() != 0:
         return None
     if output_dir not in _CONFIG_SUBDIRS:
+        _HELD_BEFORE[os.path.abspath(output_dir)] = _held_before(output_dir)
         name, n = ".hydra", 1
         while os.path.exists(os.path.join(output_dir, name)):
             n += 1

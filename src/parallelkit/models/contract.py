@@ -68,6 +68,17 @@ def check_model_fits_data(target: Any, data_kwargs: dict[str, Any], model_label:
         )
 
 
+def data_hints(target: Any, datamodule: Any) -> dict[str, Any]:
+    """What the data knows beyond the model's sizes, for a constructor that asks for it by name:
+    ``tokenizer_vocab_size`` (the ids the tokenizer produces, before ``data.vocab_multiple`` pads them), which a
+    model of a fixed vocabulary (``model=hf`` with a config) holds its own against."""
+    try:
+        params = inspect.signature(target).parameters
+    except (TypeError, ValueError):
+        return {}
+    return {name: getattr(datamodule, name) for name in ("tokenizer_vocab_size",) if name in params and hasattr(datamodule, name)}
+
+
 def check_model_contract(model: torch.nn.Module, label: str) -> None:
     """An ``nn.Module`` that parallelkit wraps must compute its own loss from ``(outputs, targets)``."""
     if not callable(getattr(model, "loss", None)):

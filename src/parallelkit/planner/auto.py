@@ -21,12 +21,12 @@ from parallelkit.planner.workload import Runtime, Workload, workload_from_config
 
 #: strategy=auto's own options: the rest of ``cfg.strategy`` is hybrid4d's, fixed for the chosen layout.
 AUTO_OPTIONS = ("_target_", "hardware", "max_microbatches", "search_accumulate", "allow_tp_across_nodes",
-                "allow_ep_across_nodes", "top")
+                "allow_ep_across_nodes", "top", "max_cp")
 
 
 def layouts(world_size: int) -> list[dict[str, int]]:
-    """Every ``(dp, sharding, tp, pp)`` whose product is ``world_size``."""
-    return [{DP: dp, SHARDING: sh, TP: tp, PP: pp} for dp, sh, tp, pp, _ in degree_sets(world_size)]
+    """Every ``(dp, sharding, tp, pp)`` whose product is ``world_size`` (without context parallelism)."""
+    return [{DP: dp, SHARDING: sh, TP: tp, PP: pp} for dp, sh, _, tp, pp, _ in degree_sets(world_size)]
 
 
 def crosses_nodes(dims: ParallelDims, axis: str, devices_per_node: int) -> bool:
@@ -36,7 +36,7 @@ def crosses_nodes(dims: ParallelDims, axis: str, devices_per_node: int) -> bool:
 
 def search_options(cfg: Any, strategy_kwargs: dict[str, Any], *, max_microbatches: int | None = None,
                    search_accumulate: bool = True, allow_tp_across_nodes: bool = False,
-                   allow_ep_across_nodes: bool = False) -> SearchOptions:
+                   allow_ep_across_nodes: bool = False, max_cp: int | None = None) -> SearchOptions:
     """The search space ``strategy=auto`` may explore for this run (hybrid4d's options fixed by the config)."""
     clip = cfg.trainer.get("gradient_clip_val")
     sequence_parallel = strategy_kwargs.get("sequence_parallel")
@@ -48,6 +48,7 @@ def search_options(cfg: Any, strategy_kwargs: dict[str, Any], *, max_microbatche
         allow_tp_across_nodes=allow_tp_across_nodes, allow_ep_across_nodes=allow_ep_across_nodes,
         norm_clipping=bool(clip) and (cfg.trainer.get("gradient_clip_algorithm") or "norm") == "norm",
         sequence_parallel=None if sequence_parallel is None else bool(sequence_parallel),
+        cp_mode=strategy_kwargs.get("cp_mode"), max_cp=max_cp,
     )
 
 
@@ -58,7 +59,7 @@ def workload_of(cfg: Any, datamodule: Any = None) -> Workload:
 
 def choose_layout(cfg: Any, world_size: int, hardware: Hardware, *, max_microbatches: int | None = None,
                   strategy_kwargs: dict[str, Any] | None = None, datamodule: Any = None, search_accumulate: bool = True,
-                  allow_tp_across_nodes: bool = False, allow_ep_across_nodes: bool = False) -> AutoPlan:
+                  allow_tp_across_nodes: bool = False, allow_ep_across_nodes: bool = False, max_cp: int | None = None) -> AutoPlan:
     """Rank every layout of ``world_size`` ranks for the run ``cfg`` describes on ``hardware``.
 
     Args:
@@ -67,10 +68,12 @@ def choose_layout(cfg: Any, world_size: int, hardware: Hardware, *, max_microbat
         hardware: the machine (:class:`Hardware`; :func:`resolve_hardware` builds one from ``strategy.hardware``).
         max_microbatches: upper bound on pipeline micro-batches (None: any divisor of the per-rank batch).
         strategy_kwargs: hybrid4d's options for the chosen layout (schedule, mesh_order, ...); ``sequence_parallel``
-            fixes it (absent: the search tries both; ``plan.chosen.layout.sequence_parallel`` says which it chose).
+            fixes it (absent: the search tries both; ``plan.chosen.layout.sequence_parallel`` says which it chose), and
+            ``cp_mode`` context parallelism's attention (absent or null: searched; ``plan.chosen.layout.cp_mode``).
         datamodule: the run's data module if already built (else only built if the vocabulary needs it).
         search_accumulate: let the planner choose gradient accumulation (pp = 1).
         allow_tp_across_nodes / allow_ep_across_nodes: let tp / ep groups span nodes.
+        max_cp: the largest context-parallel degree searched (None: any the sequence and the model allow; 1: none).
 
     Returns:
         The :class:`AutoPlan`; ``plan.chosen`` is the best layout. Raises :class:`ConfigError` if none fits.
@@ -78,7 +81,7 @@ def choose_layout(cfg: Any, world_size: int, hardware: Hardware, *, max_microbat
     kwargs = dict(strategy_kwargs or {})
     workload = workload_of(cfg, datamodule)
     opts = search_options(cfg, kwargs, max_microbatches=max_microbatches, search_accumulate=search_accumulate,
-                          allow_tp_across_nodes=allow_tp_across_nodes, allow_ep_across_nodes=allow_ep_across_nodes)
+                          allow_tp_across_nodes=allow_tp_across_nodes, allow_ep_across_nodes=allow_ep_across_nodes, max_cp=max_cp)
     return search(workload, hardware, world_size, opts)
 
 
@@ -94,7 +97,8 @@ def auto_plan_from_config(cfg: Any) -> AutoPlan:
     return choose_layout(cfg, devices * nodes, hardware, max_microbatches=strategy.get("max_microbatches"),
                          strategy_kwargs=kwargs, search_accumulate=strategy.get("search_accumulate", True),
                          allow_tp_across_nodes=bool(strategy.get("allow_tp_across_nodes", False)),
-                         allow_ep_across_nodes=bool(strategy.get("allow_ep_across_nodes", False)))
+                         allow_ep_across_nodes=bool(strategy.get("allow_ep_across_nodes", False)),
+                         max_cp=strategy.get("max_cp"))
 
 
 def estimate_fixed_layout(cfg: Any, hardware_spec: str, dims: ParallelDims) -> str:
@@ -111,7 +115,8 @@ def estimate_fixed_layout(cfg: Any, hardware_spec: str, dims: ParallelDims) -> s
                     accumulate=accumulate, schedule=schedule,
                     virtual_stages=s.get("virtual_stages") or (2 if schedule in MULTI_STAGE and dims.pp > 1 else 1),
                     reshard_after_forward=dims.pp == 1 if s.get("reshard_after_forward") is None else bool(s.get("reshard_after_forward")),
-                    sequence_parallel=bool(s.get("sequence_parallel", False)) and dims.tp > 1)
+                    sequence_parallel=bool(s.get("sequence_parallel", False)) and dims.tp > 1,
+                    cp_mode=s.get("cp_mode") or "ring")
     candidate = evaluate(w, hw, layout)
     text = format_ranking(AutoPlan(dims.world_size, hw, w, [candidate]), top=1)
     return text.replace("strategy=auto:", "the cost model's estimate of this layout:", 1).replace("chosen: ", "estimate: ")

@@ -24,7 +24,17 @@
   behind the compute, exposed as the overlapped collectives below. **Tied embeddings** under a pipeline: the first
   and the last stage each hold the embedding and sum its gradient once per step, after the pipeline's last backward
   (Megatron's embedding group: one all-reduce of ``V·h/tp`` gradients between two ranks).
-- **data parallel** gradient all-reduce once per step (in 25 MiB buckets); **sharding** (ZeRO-3 / FSDP2)
+- **context parallel** (``cp``): each rank runs ``s/cp`` tokens of every sequence (GEMM rows, memory-bound work, tp
+  collectives, pipeline sends and the head all ÷ cp). Ring attention computes ``2·cp`` blocks of ``(s/2cp)²``
+  (``2·cp + 1`` for dense kernels, which compute the diagonal blocks whole) while the keys and values, one buffer of
+  ``2·|k_local|`` bytes, hop to the next rank: ``cp − 1`` hops forward, ``cp − 1`` of them and ``cp`` of their
+  gradients backward — ``(3·cp − 2)·2·|k_local|`` bytes per layer in fp32, the gradients' ``cp`` hops in fp32 also
+  under bf16 (``context_parallel_attention.ring_payload_bytes``).
+  Each hop overlaps one ring step's block compute; exposed is what exceeds it, and the last gradient hop, which has
+  nothing left to hide behind. All-to-all (Ulysses) attention runs the whole sequence on ``heads/cp`` heads between 4
+  all-to-alls forward (q, k, v, the output) and 4 backward of ``(cp − 1)/cp`` of each, in line.
+- **data parallel** gradient all-reduce once per step (in 25 MiB buckets) over ``dp × cp`` (cp ranks hold the same
+  parameters and saw other tokens); with sharding, FSDP2 shards over ``sharding × cp``; **sharding** (ZeRO-3 / FSDP2)
   all-gathers per micro-step (forward, and backward again when resharding after forward, but the root unit once) and reduce-scatters (per
   micro-step without a pipeline, once after the last micro-batch with one), one collective per unit (each block and
   the rest of the model), HSDP's all-reduce of the shards over ``dp``. Overlap with
@@ -46,13 +56,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from parallelkit.distributed.parallel_dims import DP, EP, PP, SHARDING, TP
+from parallelkit.distributed.parallel_dims import CP, DP, EP, PP, SHARDING, TP
 from parallelkit.planner.hardware import Hardware
-from parallelkit.planner.layout import Layout, Stages, crosses_nodes
+from parallelkit.planner.layout import Layout, Stages, crosses_nodes, group_crosses_nodes
 from parallelkit.planner.memory import RankMemory
 from parallelkit.planner.workload import Workload
 
-COMM_AXES = (DP, SHARDING, TP, PP, EP)
+COMM_AXES = (DP, SHARDING, CP, TP, PP, EP)
+INLINE_AXES = (CP, TP, EP, PP)  # per micro-batch, on the critical path (cp: its exposed part, computed per layer)
 BUCKET_BYTES = 25 * 2**20  # parallelkit's GradAllReduce buckets (grad_sync.DEFAULT_BUCKET_MB)
 
 
@@ -68,6 +79,8 @@ class LayerTimes:
     flops: float  # model FLOPs (forward + backward, no recompute)
     tp_bytes: float = 0.0
     ep_bytes: float = 0.0
+    comm_cp: float = 0.0  # of which context parallelism's exposed ring hops / all-to-alls
+    cp_bytes: float = 0.0
 
     @property
     def total(self) -> float:
@@ -108,23 +121,29 @@ class CostModel:
         self._heads: dict[tuple, tuple[float, float, float]] = {}
 
     # ---------------------------------------------------------------- one layer
-    def layer(self, b: int, tp: int, ep: int, moe: bool, tp_cross: bool, ep_cross: bool, sp: bool = False) -> LayerTimes:
-        key = (b, tp, ep, moe, tp_cross, ep_cross, sp)
+    def layer(self, b: int, tp: int, ep: int, moe: bool, tp_cross: bool, ep_cross: bool, sp: bool = False,
+              cp: int = 1, cp_mode: str = "ring", cp_cross: bool = False) -> LayerTimes:
+        key = (b, tp, ep, moe, tp_cross, ep_cross, sp, cp, cp_mode, cp_cross)
         if key not in self._layers:
             self._layers[key] = self._layer(*key)
         return self._layers[key]
 
-    def _layer(self, b: int, tp: int, ep: int, moe: bool, tp_cross: bool, ep_cross: bool, sp: bool) -> LayerTimes:
+    def _layer(self, b: int, tp: int, ep: int, moe: bool, tp_cross: bool, ep_cross: bool, sp: bool,
+               cp: int = 1, cp_mode: str = "ring", cp_cross: bool = False) -> LayerTimes:
         w, hw, shape = self.w, self.hw, self.w.shape
         e, dtype, s = w.precision.activation, w.precision.compute, w.seq_len
         h, a, kv, d, f = shape.hidden, shape.heads, shape.kv_heads, shape.head_dim, shape.ffn
-        rows = b * s
+        rows = b * s / cp  # this rank's tokens
         gemm = hw.gemm_time
         # Attention projections (column-parallel q, k, v; row-parallel output), per rank.
         proj = gemm(rows, (a + 2 * kv) * d / tp, h, e, dtype) + gemm(rows, h, a * d / tp, e, dtype)
         heads = b * a / tp
         causal = 0.5 if w.attention == "flash" else 1.0  # a fused kernel skips the masked half of the scores
-        core = causal * (gemm(s, s, d, e, dtype, heads) + gemm(s, d, s, e, dtype, heads))
+        if cp > 1 and cp_mode == "ring":  # 2·cp + 1 blocks of (s/2cp)², two of them diagonal (half of each: fused)
+            chunk, blocks = s / (2 * cp), 2 * cp + (0 if w.attention == "flash" else 1)
+            core = blocks * (gemm(chunk, chunk, d, e, dtype, heads) + gemm(chunk, d, chunk, e, dtype, heads))
+        else:  # Ulysses: the whole sequence for heads / cp heads
+            core = causal * (gemm(s, s, d, e, dtype, heads / cp) + gemm(s, d, s, e, dtype, heads / cp))
         if moe:  # router, then each token's top_k experts (whole on every tp rank, spread over ep)
             tokens = rows * shape.top_k
             per_expert = tokens * ep / shape.experts
@@ -145,7 +164,7 @@ class CostModel:
         mem = replicated / (tp if sp else 1)
         mem += (3 if shape.gated else 2) * e * mlp_rows * ffn_width
         if w.attention == "dense":
-            mem += 2 * e * s * s * b * a / tp * (2 if shape.dropout else 1)
+            mem += 2 * e * s * s * b * a / tp / cp * (2 if shape.dropout else 1)
         if shape.family.startswith("hf:") and shape.gated:  # rotary embeddings on q and k
             mem += 2 * e * rows * (a + kv) * d / tp
         kernels = 14 + (2 * shape.experts / max(ep, 1) if moe else 0)
@@ -161,25 +180,58 @@ class CostModel:
         tp_bytes = 4 * act * 2 * (tp - 1) / tp if tp > 1 else 0.0
         ep_one = hw.collective_time("all_to_all", act * shape.top_k, ep, ep_cross) if (moe and ep > 1) else 0.0
         ep_bytes = 4 * act * shape.top_k * (ep - 1) / ep if (moe and ep > 1) else 0.0
-        comm_f, comm_b = 2 * tp_one + 2 * ep_one, 2 * tp_one + 2 * ep_one
+        cp_f, cp_b, cp_bytes_f, cp_bytes_b = self._context_parallel(b, tp, cp, cp_mode, cp_cross, core)
+        comm_f, comm_b = 2 * tp_one + 2 * ep_one + cp_f, 2 * tp_one + 2 * ep_one + cp_b
         recompute = 0.0
         passes = 2  # forward and backward; full recompute runs the forward's collectives once more
         if w.recompute == "full":
             recompute = forward + comm_f
             passes = 3
         elif w.recompute == "selective" and w.attention == "dense":
-            recompute = core + hw.memory_time(2 * e * s * s * b * a / tp, 2)
+            recompute = core + hw.memory_time(2 * e * s * s * b * a / tp / cp, 2)
         flops = 3 * 2 * rows * (((a + 2 * kv) * d * h + a * d * h) / tp + (mats * f * h * (shape.top_k if moe else 1)) / (1 if moe else tp))
-        flops += 3 * 2 * 2 * causal * s * s * d * heads
+        flops += 3 * 2 * 2 * causal * s * s * d * heads / cp
         return LayerTimes(forward + comm_f, backward + comm_b, recompute, passes * 2 * tp_one, passes * 2 * ep_one, flops,
-                          tp_bytes * passes / 2, ep_bytes * passes / 2)
+                          tp_bytes * passes / 2, ep_bytes * passes / 2, comm_cp=cp_f * (passes - 1) + cp_b,
+                          cp_bytes=cp_bytes_f * (passes - 1) + cp_bytes_b)
 
-    def head(self, b: int, tp: int, tp_cross: bool) -> tuple[float, float, float]:
-        """(forward + backward seconds, exposed tp seconds, FLOPs) of the output layer and the loss."""
-        key = (b, tp, tp_cross)
+    def kv_local_bytes(self, b: int, tp: int, cp: int) -> float:
+        """``|k_local|``: one rank's keys of one layer and micro-batch (its ``s/cp`` tokens, its ``kv_heads/tp`` heads)."""
+        w = self.w
+        return w.precision.activation * b * w.seq_len / cp * w.shape.kv_heads * w.shape.head_dim / tp
+
+    def _context_parallel(self, b: int, tp: int, cp: int, mode: str, cross: bool, core: float) -> tuple[float, float, float, float]:
+        """Exposed seconds (forward, backward) and bytes sent (forward, backward) of one layer's context parallelism."""
+        if cp == 1:
+            return 0.0, 0.0, 0.0, 0.0
+        hw, shape = self.hw, self.w.shape
+        k = self.kv_local_bytes(b, tp, cp)
+        if mode == "ring":
+            # One buffer of k and v per hop; a hop overlaps one ring step's blocks (core / cp forward, twice that
+            # backward). Backward sends the keys/values on and their gradients behind them: two messages per step,
+            # and the last gradient hop home after the last block, exposed.
+            # The gradients travel in fp32 (summed over the hops), twice a bf16 key's bytes.
+            g = k * 4 / self.w.precision.activation
+            hop, hop_g = hw.collective_time("p2p", 2 * k, 2, cross), hw.collective_time("p2p", 2 * g, 2, cross)
+            step_f, step_b = core / cp, 2 * core / cp
+            exposed_f = (cp - 1) * max(0.0, hop - step_f)
+            exposed_b = (cp - 1) * max(0.0, hop + hop_g - step_b) + hop_g
+            return exposed_f, exposed_b, (cp - 1) * 2 * k, (cp - 1) * 2 * k + cp * 2 * g
+        # Ulysses: q, k, v and the output each through one all-to-all forward, their gradients backward (key/value
+        # heads fewer than cp are repeated up to cp first).
+        q = k * shape.heads / shape.kv_heads
+        kv = k * max(1.0, cp / max(shape.kv_heads / tp, 1))
+        tensors = (q, kv, kv, q)
+        seconds = sum(hw.collective_time("all_to_all", x, cp, cross) for x in tensors)
+        sent = sum(tensors) * (cp - 1) / cp
+        return seconds, seconds, sent, sent
+
+    def head(self, b: int, tp: int, tp_cross: bool, cp: int = 1) -> tuple[float, float, float]:
+        """(forward + backward seconds, exposed tp seconds, FLOPs) of the output layer and the loss (``s/cp`` tokens)."""
+        key = (b, tp, tp_cross, cp)
         if key not in self._heads:
             w, hw = self.w, self.hw
-            e, dtype, rows, v = w.precision.activation, w.precision.compute, b * w.seq_len, w.shape.vocab / tp
+            e, dtype, rows, v = w.precision.activation, w.precision.compute, b * w.seq_len / cp, w.shape.vocab / tp
             gemm = hw.gemm_time(rows, v, w.shape.hidden, e, dtype)
             loss = hw.memory_time(rows * v * (e + 3 * 4) * 2, 6)  # logits → fp32 softmax → gradient, read and written
             comm = 0.0
@@ -195,7 +247,10 @@ class CostModel:
         w, hw, shape = self.w, self.hw, self.w.shape
         n = hw.devices_per_node
         cross = {axis: crosses_nodes(layout.dims, axis, n) for axis in COMM_AXES}
-        b, m, tp, ep = layout.micro_batch, layout.micro_steps, layout.tp, layout.ep
+        if layout.cp > 1:  # the gradient groups that take cp in (layout.replica_group, layout.shard_group)
+            cross[DP] = cross[DP] if layout.sharding > 1 else group_crosses_nodes(layout.dims, (DP, SHARDING, CP), n)
+            cross[SHARDING] = group_crosses_nodes(layout.dims, (SHARDING, CP), n) if layout.sharding > 1 else False
+        b, m, tp, ep, cp = layout.micro_batch, layout.micro_steps, layout.tp, layout.ep, layout.cp
         v = layout.virtual_stages if layout.pp > 1 else 1
         out = StepTime(crosses=cross, comm=dict.fromkeys(COMM_AXES, 0.0), comm_bytes=dict.fromkeys(COMM_AXES, 0.0))
         moe_ids = set(shape.moe_layer_ids)
@@ -203,26 +258,28 @@ class CostModel:
         for i, layers in enumerate(stages.layers):
             n_moe = sum(1 for layer in layers if layer in moe_ids) if moe_ids else 0
             c = r = fl = 0.0
-            comm = dict.fromkeys((TP, EP, PP), 0.0)
+            comm = dict.fromkeys(INLINE_AXES, 0.0)
             sent = dict.fromkeys(COMM_AXES, 0.0)
             for count, is_moe in ((len(layers) - n_moe, False), (n_moe, True)):
                 if count:
-                    lt = self.layer(b, tp, ep, is_moe, cross[TP], cross[EP], layout.sequence_parallel)
-                    c += count * (lt.total - lt.comm_tp - lt.comm_ep)
+                    lt = self.layer(b, tp, ep, is_moe, cross[TP], cross[EP], layout.sequence_parallel, cp, layout.cp_mode, cross[CP])
+                    c += count * (lt.total - lt.comm_tp - lt.comm_ep - lt.comm_cp)
                     r += count * lt.recompute
                     fl += count * lt.flops
                     comm[TP] += count * lt.comm_tp
                     comm[EP] += count * lt.comm_ep
+                    comm[CP] += count * lt.comm_cp
                     sent[TP] += count * lt.tp_bytes
                     sent[EP] += count * lt.ep_bytes
-            act = w.precision.activation * b * w.seq_len * shape.hidden
+                    sent[CP] += count * lt.cp_bytes
+            act = w.precision.activation * b * w.seq_len / cp * shape.hidden  # this rank's s/cp tokens
             if stages.first[i] and tp > 1:  # the vocabulary-parallel embedding's all-reduce
                 comm[TP] += hw.collective_time("all_reduce", act, tp, cross[TP])
                 sent[TP] += 2 * act * (tp - 1) / tp
             if stages.last[i]:
-                ht, hcomm, hfl = self.head(b, tp, cross[TP])
+                ht, hcomm, hfl = self.head(b, tp, cross[TP], cp)
                 c, fl, comm[TP] = c + ht - hcomm, fl + hfl, comm[TP] + hcomm
-                sent[TP] += 3 * 2 * 4 * b * w.seq_len * (tp - 1) / tp if tp > 1 else 0.0
+                sent[TP] += 3 * 2 * 4 * b * w.seq_len / cp * (tp - 1) / tp if tp > 1 else 0.0
             if layout.pp > 1:
                 # The stage output at the activation precision (bf16/fp16 under mixed precision); a sequence shard
                 # under sequence parallelism, as with Megatron's scatter/gather: 1/tp of it per tp rank.
@@ -247,7 +304,7 @@ class CostModel:
         out.compute = m * compute_only[worst]
         out.recompute = m * recompute[worst]
         pipeline = m * t_max + out.bubble
-        for axis in (TP, EP, PP):  # in line with the bottleneck stage's compute: exposed every micro-batch
+        for axis in INLINE_AXES:  # in line with the bottleneck stage's compute: exposed every micro-batch
             out.comm[axis] = m * inline[worst][axis]
         if async_p2p:  # overlapped with the steady state's compute: what exceeds it, at least one send
             out.comm[PP] = _exposed(out.comm[PP], m * t_max, max(1, m * stages.sends[worst]))
@@ -284,7 +341,7 @@ class CostModel:
             ranks_per_node = min(n, layout.world)
             mean_compute = sum(c * k for c, k in zip(compute_only, weights)) / total_weight
             busy = (mean_compute * m + out.optimizer + out.dispatch) * ranks_per_node
-            floor = busy / hw.units_per_node + exposed_dp + exposed_sh + sum(out.comm[a] for a in (TP, EP, PP))
+            floor = busy / hw.units_per_node + exposed_dp + exposed_sh + sum(out.comm[a] for a in INLINE_AXES)
             if floor > critical:
                 out.shared_units_floor = floor
                 critical = floor
@@ -295,7 +352,8 @@ class CostModel:
     def _data_parallel(self, layout: Layout, mem: RankMemory, cross: dict[str, bool]) -> tuple[float, float, dict[str, float]]:
         """Seconds of one rank's dp and sharding collectives per step (before overlap), and the bytes it sends."""
         hw, p = self.hw, self.w.precision
-        dp, s, z = layout.dp, layout.sharding, layout.zero_stage if layout.sharding > 1 else 0
+        # cp ranks hold the same parameters: FSDP2 shards over sharding × cp, the all-reduce spans dp × cp.
+        dp, s, z = layout.replica_group, layout.shard_group, layout.zero_stage if layout.sharding > 1 else 0
         dense, experts = mem.param_elements - mem.expert_elements, mem.expert_elements
         sent = {DP: 0.0, SHARDING: 0.0}
         dp_time = sh_time = 0.0
@@ -321,8 +379,8 @@ class CostModel:
             buckets = max(1, math.ceil(grads / BUCKET_BYTES))
             dp_time = buckets * hw.collective_time("all_reduce", grads / buckets, dp, cross[DP])
             sent[DP] = 2 * grads * (dp - 1) / dp
-        if experts and dp * s > layout.ep:  # expert gradients: over the ranks holding the same experts
-            g = dp * s // layout.ep
+        if experts and layout.dp * layout.sharding * layout.cp > layout.ep:  # expert gradients: the ranks holding the same experts
+            g = layout.dp * layout.sharding * layout.cp // layout.ep
             dp_time += hw.collective_time("all_reduce", experts * p.grad, g, cross[DP])
             sent[DP] += 2 * experts * p.grad * (g - 1) / g
         return dp_time, sh_time, sent
@@ -333,7 +391,7 @@ class CostModel:
         times, sent = dict.fromkeys((TP, PP), 0.0), dict.fromkeys((TP, PP), 0.0)
         tp = layout.tp
         # Both run on the gradients in their parameters' layout: a rank's shard once ZeRO ≥ 2 has reduce-scattered.
-        shards = layout.sharding if layout.sharding > 1 and layout.zero_stage >= 2 else 1
+        shards = layout.shard_group if layout.sharding > 1 and layout.zero_stage >= 2 else 1
         if layout.sequence_parallel:
             # Parameters tensor parallelism leaves whole (norms, row-parallel biases) see only this rank's sequence
             # shard: their gradients are partial sums, added over tp in one fused all-reduce per step.

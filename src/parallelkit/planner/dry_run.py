@@ -5,16 +5,19 @@ for the world size, builds the named :class:`DeviceMesh` in *this one process* o
 backend (so 64 or 1024 ranks cost nothing), builds the model on the ``meta`` device, and computes without
 training:
 
-- every rank's ``(dp, sharding, tp, pp, ep)`` coordinates and the ranks of its group on every mesh axis;
+- every rank's ``(dp, sharding, cp, tp, pp, ep)`` coordinates and the ranks of its group on every mesh axis;
 - per-rank parameter / gradient / optimizer-state bytes: TP divides the layers its plan shards by ``tp``,
   PP keeps the stage's modules (the model's real ``pipeline_stages`` cut, applied to a meta copy), EP keeps
   ``1/ep`` of the experts, sharding divides by ``sharding`` per ZeRO stage (1: optimizer, 2: + grads,
-  3 / FSDP2: + params);
+  3 / FSDP2: + params; FSDP2 shards over ``sharding × cp``: cp ranks hold the same parameters);
 - estimated bytes each rank sends per optimizer step, per axis (ring convention, as ``CommStats`` counts):
   dp/sharding gradient all-reduce or reduce-scatter + parameter all-gather, TP Megatron ``8·b·s·h·(t−1)/t``
   elements per layer, PP ``b·s·h`` activations (forward) and gradients (backward) per stage boundary (``/tp``
   under sequence parallelism: the stage output is a sequence shard) and, for a weight the first and the last
-  stage both hold (tied embeddings), the all-reduce of its gradient between them; EP dispatch + combine all-to-alls.
+  stage both hold (tied embeddings), the all-reduce of its gradient between them; EP dispatch + combine all-to-alls;
+  CP (each rank's ``s/cp`` tokens in all of the above, the gradient all-reduce over ``dp × cp``): ring attention's
+  ``(3·cp − 2)·2·|k_local|`` per layer (``ring_payload_bytes``), or all-to-all's 8 exchanges of ``(cp − 1)/cp`` of q,
+  k, v and the output.
 
 Unlike the cost model it reads the real model (its plans, on the meta device), so it needs torch; the command
 line is :mod:`parallelkit.tools.plan`, the rank-grid drawing :mod:`parallelkit.planner.plot`.
@@ -28,14 +31,14 @@ import fnmatch
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from parallelkit.distributed.parallel_dims import DP, EP, PP, SHARDING, TP, ParallelDims
+from parallelkit.distributed.parallel_dims import CP, DP, EP, PP, SHARDING, TP, ParallelDims
 from parallelkit.planner.inputs import block_names, build_workload, compose_config, model_shape
 from parallelkit.planner.workload import optimizer_slots  # one definition, shared with the cost model
 
 if TYPE_CHECKING:
     import torch
 
-AXES = (DP, SHARDING, TP, PP, EP)
+AXES = (DP, SHARDING, CP, TP, PP, EP)
 
 
 @dataclass
@@ -145,7 +148,7 @@ def rank_state_bytes(model, dims, coords, options) -> tuple[dict[str, int], int,
         if not name.startswith(blocks):
             root += size
         local += size
-    stage, s = options["zero_stage"], dims.sharding
+    stage, s = options["zero_stage"], dims.sharding * dims.cp if dims.sharding > 1 else 1  # FSDP2 over sharding × cp
     params = local / s if stage >= 3 else local
     grads = local / s if stage >= 2 else local
     opt = options["slots"] * local / (s if stage >= 1 else 1)  # fp32 state: slots × the fp32 parameters
@@ -156,9 +159,11 @@ def rank_state_bytes(model, dims, coords, options) -> tuple[dict[str, int], int,
 def rank_comm_bytes(dims, coords, local_bytes, options, expert_bytes: int = 0, root_bytes: int = 0) -> dict[str, int]:
     """Estimated bytes this rank sends per optimizer step, per axis (``root_bytes``: of ``local_bytes``, those
     outside the repeated blocks: ZeRO-3's root unit, which stays gathered from forward into backward)."""
-    dp, s, t = dims.dp, dims.sharding, dims.tp
+    # cp ranks hold the same parameters: FSDP2 shards over sharding × cp; without sharding the all-reduce spans dp × cp.
+    cp, t = dims.cp, dims.tp
+    dp, s = (dims.dp, dims.sharding * cp) if dims.sharding > 1 else (dims.dp * cp, 1)
     stage, cfg = options["zero_stage"], options["model_cfg"]
-    b, seq, h, elem = options["rank_batch"], cfg["seq_len"], cfg["n_embd"], 4
+    b, seq, h, elem = options["rank_batch"], cfg["seq_len"] / cp, cfg["n_embd"], 4  # seq: this rank's s/cp tokens
     comm = {axis: 0.0 for axis in AXES}
     n = local_bytes
     if s > 1:  # reduce-scatter of gradients + all-gather of parameters (the blocks twice under ZeRO-3 with reshard)
@@ -177,6 +182,16 @@ def rank_comm_bytes(dims, coords, local_bytes, options, expert_bytes: int = 0, r
     comm[PP] += shared / (s if stage >= 2 else 1)
     if dims.ep > 1:  # dispatch + combine, forward and backward, top_k copies of each token
         comm[EP] = 4 * b * seq * h * elem * cfg["top_k"] * (dims.ep - 1) / dims.ep * options["moe_layers_per_pp_rank"][coords[PP]]
+    if cp > 1:
+        head_dim = h / cfg["n_head"]
+        k_local = b * seq * cfg.get("n_kv_head", cfg["n_head"]) * head_dim / t * elem
+        if options.get("cp_mode", "ring") == "ring":  # (cp − 1) hops of k and v forward, (2·cp − 1) backward
+            grad = k_local * 4 / elem  # the gradients' cp hops in fp32
+            comm[CP] = 2 * ((2 * cp - 2) * k_local + cp * grad) * layers
+        else:  # q, k, v, out forward and their gradients backward (key/value heads repeated up to cp)
+            q = b * seq * h / t * elem
+            kv = k_local * max(1.0, cp / max(cfg.get("n_kv_head", cfg["n_head"]) / t, 1))
+            comm[CP] = 2 * (2 * q + 2 * kv) * (cp - 1) / cp * layers
     return {axis: int(v) for axis, v in comm.items()}
 
 
@@ -184,7 +199,7 @@ def rank_comm_bytes(dims, coords, local_bytes, options, expert_bytes: int = 0, r
 def plan_options(model: torch.nn.Module, dims: ParallelDims, *, shape: dict[str, int], rank_batch: int, slots: int,
                  zero_stage: int, reshard_after_forward: bool = True, schedule: str = "1f1b", virtual_stages: int = 1,
                  split: list[int] | None = None, sequence_parallel: bool = False, plan_source: Any = None,
-                 cache: dict | None = None) -> dict[str, Any]:
+                 cache: dict | None = None, cp_mode: str = "ring") -> dict[str, Any]:
     """What :func:`rank_state_bytes` and :func:`rank_comm_bytes` need for ``dims`` (``plan_source``: the
     strategy's ``plan``, where the model's plans are; :mod:`parallelkit.models.plans`).
 
@@ -199,7 +214,7 @@ def plan_options(model: torch.nn.Module, dims: ParallelDims, *, shape: dict[str,
         "virtual_stages": vs, "split": split, "schedule": schedule,
         "zero_stage": zero_stage if dims.sharding > 1 else 0, "reshard_after_forward": reshard_after_forward,
         "slots": slots, "model_cfg": shape, "rank_batch": rank_batch, "num_stages": dims.pp * vs,
-        "plan_source": plan_source,
+        "plan_source": plan_source, "cp_mode": cp_mode,
     }
     key = ("tp", dims.tp, sequence_parallel)
     if key not in cache:
@@ -245,7 +260,8 @@ def strategy_options(strategy: Any, dims: ParallelDims) -> dict[str, Any]:
     opts = getattr(strategy, "options", None)
     if opts is not None:
         return dict(zero_stage=opts.zero_stage, reshard_after_forward=opts.reshard(dims.pp), schedule=opts.schedule, virtual_stages=opts.virtual_stages,
-                    split=list(opts.split) if opts.split else None, sequence_parallel=opts.sequence_parallel)
+                    split=list(opts.split) if opts.split else None, sequence_parallel=opts.sequence_parallel,
+                    cp_mode=getattr(opts, "cp_mode", "ring"))
     return dict(zero_stage=getattr(strategy, "stage", 3), reshard_after_forward=getattr(strategy, "reshard_after_forward", True),
                 schedule=getattr(strategy, "schedule", "1f1b"), virtual_stages=getattr(strategy, "virtual_stages", 1) or 1,
                 split=getattr(strategy, "split", None), sequence_parallel=getattr(strategy, "sequence_parallel", False))
@@ -295,13 +311,13 @@ def format_plan(plan: Plan) -> str:
     d = plan.dims
     lines = [f"strategy={plan.strategy} world={d.world_size} dims={d.as_dict()} mesh_order={list(d.mesh_order)} "
              f"params={plan.num_params:,}", *plan.notes,
-             "rank | dp sh tp pp ep | params grads optim (bytes) | sent/step dp sharding tp pp ep | groups pp / dp / sharding / tp / ep"]
+             "rank | dp sh cp tp pp ep | params grads optim (bytes) | sent/step dp sharding cp tp pp ep | groups pp / dp / sharding / cp / tp / ep"]
     for r in plan.ranks:
         c, s, m = r.coords, r.state_bytes, r.comm_bytes
         lines.append(
-            f"{r.rank:4d} | {c[DP]:2d} {c[SHARDING]:2d} {c[TP]:2d} {c[PP]:2d} {c[EP]:2d} | "
+            f"{r.rank:4d} | {c[DP]:2d} {c[SHARDING]:2d} {c[CP]:2d} {c[TP]:2d} {c[PP]:2d} {c[EP]:2d} | "
             f"{_mb(s['params'])} {_mb(s['grads'])} {_mb(s['optimizer'])} | "
             + " ".join(_mb(m[a]) for a in AXES) + " | "
-            + " / ".join(",".join(map(str, r.groups[a])) for a in (PP, DP, SHARDING, TP, EP))
+            + " / ".join(",".join(map(str, r.groups[a])) for a in (PP, DP, SHARDING, CP, TP, EP))
         )
     return "\n".join(lines)

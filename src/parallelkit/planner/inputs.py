@@ -40,7 +40,7 @@ def build_workload(cfg: Any, data_parallel_size: int = 1) -> tuple[Any, torch.nn
 
 
 def model_shape(model: torch.nn.Module, datamodule: Any) -> dict[str, int]:
-    """The sizes the estimates need: sequence length, width, heads, layers, vocabulary, MoE top-k."""
+    """The sizes the estimates need: sequence length, width, heads (and key/value heads), layers, vocabulary, MoE top-k."""
     config = getattr(model, "config", None)
     kwargs = datamodule.model_kwargs()
 
@@ -49,6 +49,7 @@ def model_shape(model: torch.nn.Module, datamodule: Any) -> dict[str, int]:
 
     return {"seq_len": kwargs.get("block_size", 1), "n_embd": size("n_embd", "hidden_size", default=0),
             "n_head": size("n_head", "num_attention_heads", default=1), "n_layer": size("n_layer", "num_hidden_layers", default=0),
+            "n_kv_head": size("num_key_value_heads", "n_head", "num_attention_heads", default=1),
             "vocab_size": kwargs.get("vocab_size", 0), "top_k": getattr(model, "top_k", None) or size("num_experts_per_tok", default=1)}
 
 

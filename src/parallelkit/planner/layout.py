@@ -19,9 +19,10 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from parallelkit.distributed.parallel_dims import DP, EP, PP, SHARDING, TP, ParallelDims
+from parallelkit.distributed.parallel_dims import CP, DP, EP, PP, SHARDING, TP, ParallelDims
 
-AXES = (DP, SHARDING, TP, PP, EP)
+AXES = (DP, SHARDING, CP, TP, PP, EP)
+CP_MODES = ("ring", "ulysses")  # strategy.cp_mode (parallelkit.distributed.context_parallel.CP_MODES, without torch)
 MULTI_STAGE = ("interleaved_1f1b", "zero_bubble", "zbv")
 SCHEDULES = ("gpipe", "1f1b", *MULTI_STAGE)
 
@@ -31,8 +32,8 @@ class Layout:
     """One candidate: its degrees (``dims``) and everything else that decides its memory and time.
 
     Args:
-        dims: the degrees ``dp × sharding × tp × pp`` (``ep`` spreads experts over ``ep`` data-parallel ranks) and
-            the mesh order, validated by :class:`ParallelDims` — the only carrier of degrees.
+        dims: the degrees ``dp × sharding × cp × tp × pp`` (``ep`` spreads experts over ``ep`` data-parallel ranks)
+            and the mesh order, validated by :class:`ParallelDims` — the only carrier of degrees.
         zero_stage: what ``sharding`` shards (1 optimizer state, 2 + gradients, 3 + parameters; hybrid4d's FSDP2 is 3).
         micro_batch: sequences per micro-batch.
         microbatches: micro-batches per pipeline pass (``pp > 1``).
@@ -46,10 +47,13 @@ class Layout:
         microbatch_group: interleaved schedules run ``N`` consecutive micro-batches per stage before switching
             stage (Megatron's ``microbatch_group_size_per_vp_stage``, Llama 3's tunable ``N``); 0: ``N = pp``
             (Narayanan et al. 2021's depth-first order, the fewest micro-batches in flight Megatron allows).
+        cp_mode: context parallelism's attention (``cp > 1``): ``ring`` (keys/values around the cp ranks, overlapped
+            with block compute) or ``ulysses`` (all-to-alls between sequence and head shards).
 
     Example::
 
         Layout(ParallelDims(16, dp=2, tp=4, pp=2), micro_batch=2, microbatches=8, sequence_parallel=True)
+        Layout(ParallelDims(16, cp=4, tp=4), cp_mode="ulysses")
     """
 
     dims: ParallelDims
@@ -63,6 +67,7 @@ class Layout:
     sequence_parallel: bool = False
     embedding_and_loss_as_layers: bool = False
     microbatch_group: int = 0
+    cp_mode: str = "ring"
 
     def __post_init__(self) -> None:
         if not isinstance(self.dims, ParallelDims):
@@ -73,6 +78,8 @@ class Layout:
             raise ValueError(f"schedule {self.schedule!r} is not one of {', '.join(SCHEDULES)}")
         if self.sequence_parallel and self.dims.tp == 1:
             raise ValueError("sequence_parallel splits the tensor-parallel regions along the sequence: it needs tp > 1")
+        if self.cp_mode not in CP_MODES:
+            raise ValueError(f"cp_mode {self.cp_mode!r} is not one of {', '.join(CP_MODES)}")
 
     # ------------------------------------------------------------------ the degrees, read from dims
     @property
@@ -96,12 +103,28 @@ class Layout:
         return self.dims.ep
 
     @property
+    def cp(self) -> int:
+        return self.dims.cp
+
+    @property
+    def shard_group(self) -> int:
+        """Ranks FSDP shards the model state over: ``sharding × cp`` (cp ranks hold the same parameters; hybrid4d
+        shards over both, torchtitan's ``dp_shard_cp``), 1 without sharding."""
+        return self.sharding * self.cp if self.sharding > 1 else 1
+
+    @property
+    def replica_group(self) -> int:
+        """Ranks that all-reduce whole gradients: ``dp × cp`` without sharding (hybrid4d's gradient all-reduce spans the
+        cp ranks, which saw other tokens), ``dp`` (HSDP's replicas of one shard) with it."""
+        return self.dp * self.cp if self.sharding == 1 else self.dp
+
+    @property
     def mesh_order(self) -> tuple[str, ...]:
         return self.dims.mesh_order
 
     @property
     def degrees(self) -> dict[str, int]:
-        """``dp, sharding, tp, pp`` (:attr:`ParallelDims.degrees`)."""
+        """``dp, sharding, cp, tp, pp`` (:attr:`ParallelDims.degrees`)."""
         return self.dims.degrees
 
     @property
@@ -110,8 +133,10 @@ class Layout:
 
     @property
     def label(self) -> str:
-        text = f"dp={self.dp} sharding={self.sharding} tp={self.tp} pp={self.pp}"
-        return text + (f" ep={self.ep}" if self.ep > 1 else "") + (" sequence_parallel" if self.sequence_parallel else "")
+        text = f"dp={self.dp} sharding={self.sharding}" + (f" cp={self.cp}" if self.cp > 1 else "") + f" tp={self.tp} pp={self.pp}"
+        text += f" ep={self.ep}" if self.ep > 1 else ""
+        text += f" cp_mode={self.cp_mode}" if self.cp > 1 and self.cp_mode != "ring" else ""
+        return text + (" sequence_parallel" if self.sequence_parallel else "")
 
     @property
     def micro_steps(self) -> int:
@@ -123,7 +148,8 @@ class Layout:
                 "micro_batch": self.micro_batch, "microbatches": self.microbatches, "accumulate": self.accumulate,
                 "schedule": self.schedule, "virtual_stages": self.virtual_stages,
                 "reshard_after_forward": self.reshard_after_forward, "sequence_parallel": self.sequence_parallel,
-                "embedding_and_loss_as_layers": self.embedding_and_loss_as_layers, "microbatch_group": self.microbatch_group}
+                "embedding_and_loss_as_layers": self.embedding_and_loss_as_layers, "microbatch_group": self.microbatch_group,
+                "cp_mode": self.cp_mode}
 
 
 def crosses_nodes(dims: ParallelDims, axis: str, devices_per_node: int) -> bool:
@@ -142,6 +168,20 @@ def crosses_nodes(dims: ParallelDims, axis: str, devices_per_node: int) -> bool:
         return False
     stride = math.prod(getattr(dims, a) for a in order[order.index(axis) + 1:])
     return devices_per_node % (stride * degree) != 0
+
+
+def group_crosses_nodes(dims: ParallelDims, axes: tuple[str, ...], devices_per_node: int) -> bool:
+    """Whether a group of the ``axes`` flattened together (adjacent in ``mesh_order``, as :class:`ParallelDims` keeps
+    ``dp, sharding, cp``) spans two nodes: ``stride · Π degrees`` consecutive ranks must fit a node."""
+    order = list(dims.mesh_order)
+    size = math.prod(getattr(dims, a) for a in axes)
+    if size == 1:
+        return False
+    inner = max(order.index(a) for a in axes if getattr(dims, a) > 1)
+    outer = min(order.index(a) for a in axes if getattr(dims, a) > 1)
+    stride = math.prod(getattr(dims, a) for a in order[inner + 1:])
+    span = math.prod(getattr(dims, a) for a in order[outer:inner + 1])  # what lies between is in the group or of degree 1
+    return devices_per_node % (stride * span) != 0
 
 
 # ------------------------------------------------------------------------------------ pipeline geometry

@@ -22,6 +22,13 @@ next layer's input: ``2·s·b·h``, ``/t`` with sequence parallelism) for every 
 ``torch.distributed.pipelining`` (parallelkit's pipeline) holds it in ``fwd_cache`` until the chunk's backward —
 unless the runtime frees it once sent (``Runtime.deallocate_stage_outputs``: Megatron-LM's
 ``deallocate_pipeline_outputs``, Llama 3 §3.3.2). A stage's input is the first block's saved norm input: no extra.
+
+**Context parallelism** (``cp``): each rank holds ``s/cp`` tokens of every sequence, so every activation above —
+the layers', the stage outputs, the embedding's output and the logits — is that of ``s/cp`` tokens: ÷ cp. Attention
+keeps no score matrix under ring attention (blocks are recomputed from the saved log-sum-exp, as a fused kernel does);
+all-to-all (Ulysses) attention runs the model's own attention on ``heads/cp`` heads of the whole sequence: dense
+scores ``(s/cp)·s`` per head-row instead of ``s²``. The model state is sharded over ``sharding × cp`` (hybrid4d's
+FSDP2 mesh with cp), whole on each rank without sharding.
 """
 
 from __future__ import annotations
@@ -35,9 +42,9 @@ from parallelkit.planner.workload import Workload
 
 
 def layer_activation_bytes(w: Workload, micro_batch: int, tp: int, *, moe: bool = False, recompute: str | None = None,
-                           sequence_parallel: bool = False) -> float:
-    """Bytes one layer saves for backward for one micro-batch (see the module docstring)."""
-    shape, s, b = w.shape, w.seq_len, micro_batch
+                           sequence_parallel: bool = False, cp: int = 1, cp_mode: str = "ring") -> float:
+    """Bytes one layer saves for backward for one micro-batch, on one of ``cp`` ranks (see the module docstring)."""
+    shape, s, b = w.shape, w.seq_len / cp, micro_batch  # s: this rank's tokens of each sequence
     recompute = w.recompute if recompute is None else recompute
     e = w.precision.activation
     h, a, d = shape.hidden, shape.heads, shape.head_dim
@@ -52,8 +59,8 @@ def layer_activation_bytes(w: Workload, micro_batch: int, tp: int, *, moe: bool 
     replicated /= tp if sp else 1
     q, kv = s * b * a * d, s * b * shape.kv_heads * d
     attention = e * (q + 2 * kv) / tp  # Q, K, V
-    if w.attention == "dense":
-        scores = s * s * b * a / tp
+    if w.attention == "dense" and not (cp > 1 and cp_mode == "ring"):  # ring attention saves only out and lse
+        scores = s * w.seq_len * b * a / tp  # Ulysses: heads/cp heads of whole rows; s·s without cp
         attention += scores * (e + mask + (e if mask else 0)) if recompute != "selective" else 0.0  # softmax, mask, dropout out
         attention += e * q / tp  # the context (input of the output projection)
     else:
@@ -66,16 +73,18 @@ def layer_activation_bytes(w: Workload, micro_batch: int, tp: int, *, moe: bool 
     return replicated + attention + mlp
 
 
-def layer_input_bytes(w: Workload, micro_batch: int, tp: int, sequence_parallel: bool = False) -> float:
+def layer_input_bytes(w: Workload, micro_batch: int, tp: int, sequence_parallel: bool = False, cp: int = 1) -> float:
     """What full recompute keeps per layer and micro-batch: the layer's input (a sequence shard under sequence
-    parallelism). Also a pipeline stage's output and the embedding's output: the same tensor between layers, at the
-    run's activation precision (2 bytes under bf16/fp16 mixed precision, 4 under fp32)."""
-    return w.precision.activation * w.seq_len * micro_batch * w.shape.hidden / (tp if sequence_parallel else 1)
+    parallelism; ``s/cp`` tokens under context parallelism). Also a pipeline stage's output and the embedding's output:
+    the same tensor between layers, at the run's activation precision (2 bytes under bf16/fp16 mixed precision, 4
+    under fp32)."""
+    return w.precision.activation * w.seq_len / cp * micro_batch * w.shape.hidden / (tp if sequence_parallel else 1)
 
 
-def logits_bytes(w: Workload, micro_batch: int, tp: int) -> float:
-    """The head's logits (activation dtype) and the fp32 copy the loss takes and differentiates, vocabulary-split by tp."""
-    return (w.precision.activation + 2 * 4) * w.seq_len * micro_batch * w.shape.vocab / tp
+def logits_bytes(w: Workload, micro_batch: int, tp: int, cp: int = 1) -> float:
+    """The head's logits (activation dtype) and the fp32 copy the loss takes and differentiates, vocabulary-split by tp,
+    for this rank's ``s/cp`` tokens."""
+    return (w.precision.activation + 2 * 4) * w.seq_len / cp * micro_batch * w.shape.vocab / tp
 
 
 # ------------------------------------------------------------------------------------ parameters of a rank
@@ -133,7 +142,7 @@ def rank_memory(w: Workload, layout: Layout, stages: Stages, i: int) -> RankMemo
     """The peak of pipeline rank ``stages``' ``i``-th entry (see the module docstring)."""
     shape, p = w.shape, w.precision
     elements, experts, largest, outside = rank_param_elements(shape, layout, stages.layers[i], stages.first[i], stages.last[i])
-    s, z = layout.sharding, layout.zero_stage if layout.sharding > 1 else 0
+    s, z = layout.shard_group, layout.zero_stage if layout.sharding > 1 else 0
     dense = elements - experts  # experts are kept out of sharding (averaged over the ranks holding them)
     sharded = {k: dense / (s if z >= stage else 1) + experts for k, stage in (("p", 3), ("g", 2), ("o", 1))}
     params = sharded["p"] * p.param
@@ -150,22 +159,23 @@ def rank_memory(w: Workload, layout: Layout, stages: Stages, i: int) -> RankMemo
             gathered = largest * (2 * p.param + p.grad)
     elif z == 2 and layout.micro_steps > 1:  # gradients accumulate unsharded until the step's reduce-scatter
         gathered = dense * p.grad * (1 - 1 / s)
-    b, layers, sp = layout.micro_batch, stages.layers[i], layout.sequence_parallel
+    b, layers, sp, cp = layout.micro_batch, stages.layers[i], layout.sequence_parallel, layout.cp
     n_moe = sum(1 for layer in layers if shape.is_moe(layer)) if shape.moe_layer_ids else 0
     kinds = [(len(layers) - n_moe, False), (n_moe, True)]
+    each = {"sequence_parallel": sp, "cp": cp, "cp_mode": layout.cp_mode}
+    between = layer_input_bytes(w, b, layout.tp, sp, cp)  # the tensor between layers
     if w.recompute == "full":
-        inputs = stages.in_flight_layers[i] * layer_input_bytes(w, b, layout.tp, sp)
-        worst = max((layer_activation_bytes(w, b, layout.tp, moe=moe, recompute="none", sequence_parallel=sp) for count, moe in kinds if count),
-                    default=0.0)
+        inputs = stages.in_flight_layers[i] * between
+        worst = max((layer_activation_bytes(w, b, layout.tp, moe=moe, recompute="none", **each) for count, moe in kinds if count), default=0.0)
         activations = inputs + worst
     else:
-        per_layer = sum(count * layer_activation_bytes(w, b, layout.tp, moe=moe, sequence_parallel=sp) for count, moe in kinds if count) / max(len(layers), 1)
+        per_layer = sum(count * layer_activation_bytes(w, b, layout.tp, moe=moe, **each) for count, moe in kinds if count) / max(len(layers), 1)
         activations = stages.in_flight_layers[i] * per_layer
     if layout.pp > 1 and not w.runtime.deallocate_stage_outputs:  # each in-flight chunk's output, for its backward
-        activations += stages.in_flight_outputs[i] * layer_input_bytes(w, b, layout.tp, sp)
+        activations += stages.in_flight_outputs[i] * between
     if stages.first[i]:  # the embedding's output, kept for every micro-batch in flight
-        activations += stages.in_flight_head[i] * layer_input_bytes(w, b, layout.tp, sp)
-    logits = stages.in_flight_head[i] * logits_bytes(w, b, layout.tp) if stages.last[i] else 0.0
+        activations += stages.in_flight_head[i] * between
+    logits = stages.in_flight_head[i] * logits_bytes(w, b, layout.tp, cp) if stages.last[i] else 0.0
     units = len(layers) + (1 if stages.first[i] or stages.last[i] else 0)
     return RankMemory(params, grads, master, optimizer, gathered, activations, logits, elements, experts, units, outside)
 

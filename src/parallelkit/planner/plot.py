@@ -10,7 +10,7 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from parallelkit.distributed.parallel_dims import DP, EP, PP, SHARDING, TP
+from parallelkit.distributed.parallel_dims import CP, DP, EP, PP, SHARDING, TP
 
 if TYPE_CHECKING:
     from parallelkit.planner.dry_run import Plan
@@ -30,8 +30,9 @@ def draw_plan(plan: Plan, path: Path) -> Path:
     fits = [c for c in range(d.mesh_shape[-1], d.world_size + 1, d.mesh_shape[-1]) if d.world_size % c == 0]
     cols = min(fits, key=lambda c: abs(c - math.sqrt(d.world_size)))
     rows = d.world_size // cols
-    fig, axes = plt.subplots(1, 5, figsize=(4 * 5, 4 * rows / cols + 1.2), squeeze=False)
-    for ax, axis in zip(axes[0], (PP, DP, SHARDING, TP, EP)):
+    panels = (PP, DP, SHARDING, CP, TP, EP) if d.cp > 1 else (PP, DP, SHARDING, TP, EP)  # cp's panel where it is on
+    fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 4 * rows / cols + 1.2), squeeze=False)
+    for ax, axis in zip(axes[0], panels):
         grid = np.zeros((rows, cols))
         for r in plan.ranks:
             grid[r.rank // cols, r.rank % cols] = r.coords[axis]

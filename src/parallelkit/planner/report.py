@@ -6,14 +6,14 @@ import json
 from pathlib import Path
 from typing import Any
 
-from parallelkit.distributed.parallel_dims import DP, EP, PP, SHARDING, TP
+from parallelkit.distributed.parallel_dims import CP, DP, EP, PP, SHARDING, TP
 from parallelkit.planner.search import AutoPlan, Candidate, gib
 
-TERMS = ("compute", "recompute", "bubble", "comm_dp", "comm_sharding", "comm_tp", "comm_pp", "comm_ep", "optimizer")
+TERMS = ("compute", "recompute", "bubble", "comm_dp", "comm_sharding", "comm_cp", "comm_tp", "comm_pp", "comm_ep", "optimizer")
 
 
 def best_per_layout(plan: AutoPlan) -> list[Candidate]:
-    """The best batch cut (and sequence parallelism or not) of every degree set, in ranking order."""
+    """The best batch cut (sequence parallelism or not, cp mode) of every degree set, in ranking order."""
     seen, out = set(), []
     for c in plan.candidates:
         key = c.layout.dims
@@ -29,7 +29,7 @@ def _ms(seconds: float) -> str:
 
 def _cut(c: Candidate) -> str:
     lay = c.layout
-    sp = " sp" if lay.sequence_parallel else ""
+    sp = (" sp" if lay.sequence_parallel else "") + (" uly" if lay.cp > 1 and lay.cp_mode == "ulysses" else "")
     if lay.pp > 1:
         return f"{lay.micro_batch}×{lay.microbatches}" + (f" v{lay.virtual_stages}" if lay.virtual_stages > 1 else "") + sp
     return f"{lay.micro_batch}×{lay.accumulate}a{sp}"
@@ -54,16 +54,16 @@ def format_ranking(plan: AutoPlan, top: int = 8) -> str:
         f"({shape.family}, {shape.layers} layers × {shape.hidden}, vocabulary {shape.vocab:,}{', tied' if shape.tied else ''}), "
         f"seq {w.seq_len}, batch {w.global_batch if w.global_batch is not None else str(w.per_rank_batch) + '/rank'}, "
         f"precision {w.precision.name}, recompute={w.recompute}; {gib(hw.usable_memory)} usable per device",
-        " # | dp sh tp pp ep | micro×m (sp: seq. parallel) | memory/rank (state+gathered+act) | compute | recomp | bubble | comm ms dp / sh / tp / pp / ep (* = across nodes) | optim | total ms | tok/s/dev | note",
+        " # | dp sh cp tp pp ep | micro×m (sp: seq. parallel, uly: cp all-to-all) | memory/rank (state+gathered+act) | compute | recomp | bubble | comm ms dp / sh / cp / tp / pp / ep (* = across nodes) | optim | total ms | tok/s/dev | note",
     ]
     for i, c in enumerate(fitting + unfit, 1):
         lay, t = c.layout, c.time
-        comm = " / ".join(_ms(t.comm[a]) + ("*" if t.crosses.get(a) else "") for a in (DP, SHARDING, TP, PP, EP))
+        comm = " / ".join(_ms(t.comm[a]) + ("*" if t.crosses.get(a) else "") for a in (DP, SHARDING, CP, TP, PP, EP))
         note = "chosen" if c is plan.chosen else ("doesn't fit: " + c.why_not(hw.usable_memory) if not c.fits else "")
         if t.shared_units_floor:
             note += (" " if note else "") + "(node's shared cores bound it)"
         mem = f"{gib(c.memory['total'])} ({gib(c.memory['state'])}+{gib(c.memory['gathered'])}+{gib(c.memory['activations'] + c.memory['logits'])})"
-        lines.append(f"{i:2d} | {lay.dp:2d} {lay.sharding:2d} {lay.tp:2d} {lay.pp:2d} {lay.ep:2d} | {_cut(c):>26} | {mem:>33} | "
+        lines.append(f"{i:2d} | {lay.dp:2d} {lay.sharding:2d} {lay.cp:2d} {lay.tp:2d} {lay.pp:2d} {lay.ep:2d} | {_cut(c):>26} | {mem:>33} | "
                      f"{_ms(t.compute):>7} | {_ms(t.recompute):>6} | {_ms(t.bubble):>6} | {comm} | {_ms(t.optimizer):>5} | "
                      f"{_ms(t.total):>8} | {c.tokens_per_s_per_device:9.4g} | {note}")
     invalid = [c for c in layouts if c.invalid]

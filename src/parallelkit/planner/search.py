@@ -1,19 +1,30 @@
 """The search: every layout of the world size that ``strategy=hybrid4d`` can run, every way to cut its batch, costed.
 
-**Degrees** ``dp × sharding × tp × pp (× ep)`` = world, each a :class:`ParallelDims`. They are pruned before anything
-is costed (:func:`degree_problem`) for what no strategy can change: tp must divide the sizes the model's
-tensor-parallel plan splits (and the sequence, under sequence parallelism), pp ≤ its blocks, ep its experts and
-``dp × sharding``, ``dp × sharding`` the global batch; for what the model cannot do (no tensor-parallel plan, no
-pipeline cut, no sequence parallelism: :class:`~parallelkit.planner.shapes.ModelShape`); and for tp or ep groups
-across nodes unless allowed. hybrid4d's own checks confirm the choice before training
+**Degrees** ``dp × sharding × cp × tp × pp (× ep)`` = world, each a :class:`ParallelDims`. They are pruned before
+anything is costed (:func:`degree_problem`) for what no strategy can change: tp must divide the sizes the model's
+tensor-parallel plan splits (and each rank's ``s/cp`` tokens, under sequence parallelism), pp ≤ its blocks, ep its
+experts and ``dp × sharding``, ``dp × sharding`` the global batch, ``2·cp`` the sequence (context parallelism's
+load-balanced chunks; all-to-all attention also needs the heads left by tp to divide by cp); for what the model cannot
+do (no tensor-parallel plan, no pipeline cut, no sequence parallelism, no context-parallel plan:
+:class:`~parallelkit.planner.shapes.ModelShape`); and for tp or ep groups across nodes unless allowed (cp groups may
+span nodes: their ring hops overlap block compute, and Llama 3 ran cp 16 over 16 nodes). hybrid4d's own checks confirm the choice before training
 (:meth:`parallelkit.strategies.auto.AutoStrategy.resolve`).
 
 **Sequence parallelism** (``SearchOptions.sequence_parallel``): fixed by ``strategy.sequence_parallel``, or, unset,
 both ways for every ``tp > 1`` the model allows it (:attr:`Layout.sequence_parallel` says which was chosen).
+**Context parallel attention** (``SearchOptions.cp_mode``) likewise: fixed by ``strategy.cp_mode``, or, unset, ring
+for every ``cp > 1`` and all-to-all (Ulysses) where the heads divide (:attr:`Layout.cp_mode`).
 
 **Batch cut** (free parameters): without a pipeline, gradient accumulation ``a`` (micro-batch ``B_r / a``); with
 one, the micro-batch count ``m`` (micro-batch ``B_r / m``) as the schedule allows (1F1B: ``m ≥ pp·v``;
 interleaved: whole rounds), and the stages per rank ``v`` for interleaved schedules. Each cut is a candidate.
+
+**Dominated cuts** are not costed: ``cp > 1`` with a micro-batch ``b`` sharing a factor ``g`` with ``cp`` runs what
+moving ``g`` of ``cp`` into data parallelism runs (``sharding × g`` or ``dp × g``: the same ranks and gradient groups)
+at micro-batch ``b/g`` — the same tokens per rank, the same GEMM and attention FLOPs, the same memory with fused or
+all-to-all attention — with a ring ``g`` times shorter. Context parallelism pays where the sequence is the last thing
+left to split. Nor are chunks shorter than :data:`MIN_CP_CHUNK` tokens searched (``cp ≤ s / 256``): a block smaller
+than a fused attention kernel's tile of query rows leaves the kernel mostly idle.
 
 **Ranking**: fitting candidates by estimated step time (ties: less memory), then the rest by memory.
 """
@@ -28,7 +39,16 @@ from parallelkit.distributed.parallel_dims import DEFAULT_MESH_ORDER, EP, TP, Pa
 from parallelkit.errors import ConfigError
 from parallelkit.planner.cost_model import CostModel, StepTime
 from parallelkit.planner.hardware import Hardware
-from parallelkit.planner.layout import MULTI_STAGE, SCHEDULES, Layout, crosses_nodes, pipeline_slots, pipeline_stages, representative_ranks
+from parallelkit.planner.layout import (
+    CP_MODES,
+    MULTI_STAGE,
+    SCHEDULES,
+    Layout,
+    crosses_nodes,
+    pipeline_slots,
+    pipeline_stages,
+    representative_ranks,
+)
 from parallelkit.planner.memory import RankMemory, rank_memory
 from parallelkit.planner.workload import Workload
 
@@ -49,6 +69,9 @@ class SearchOptions:
         zero_stage: what sharding shards (hybrid4d's FSDP2: 3).
         sequence_parallel: ``strategy.sequence_parallel``; None: searched (both ways for every ``tp > 1`` the model
             allows it).
+        cp_mode: ``strategy.cp_mode`` (``ring`` or ``ulysses``); None: searched (ring, and ulysses where the heads
+            divide) for every ``cp > 1``.
+        max_cp: the largest context-parallel degree searched (None: any the sequence and the model allow; 1: none).
     """
 
     schedule: str = "1f1b"
@@ -62,6 +85,8 @@ class SearchOptions:
     norm_clipping: bool = False
     zero_stage: int = 3
     sequence_parallel: bool | None = None
+    cp_mode: str | None = None
+    max_cp: int | None = None
 
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULES:
@@ -70,6 +95,10 @@ class SearchOptions:
             raise ConfigError(f"strategy.max_microbatches should be an int greater than 0 or null. Got {self.max_microbatches!r}.")
         if self.sequence_parallel not in (None, True, False):
             raise ConfigError(f"strategy.sequence_parallel should be true, false or absent (searched). Got {self.sequence_parallel!r}.")
+        if self.cp_mode is not None and self.cp_mode not in CP_MODES:
+            raise ConfigError(f"strategy.cp_mode should be one of {', '.join(CP_MODES)} or null (searched). Got {self.cp_mode!r}.")
+        if self.max_cp is not None and (not isinstance(self.max_cp, int) or isinstance(self.max_cp, bool) or self.max_cp < 1):
+            raise ConfigError(f"strategy.max_cp should be an int greater than 0 or null. Got {self.max_cp!r}.")
 
 
 @dataclass
@@ -148,7 +177,7 @@ class AutoPlan:
         """The chosen layout and its estimates, as written to ``summary.json`` (``auto_plan``)."""
         c = self.chosen
         by_rank = c.time.comm_bytes_by_rank if c.time else []
-        return {"chosen": dict(c.degrees), "ep": c.layout.ep, "sequence_parallel": c.layout.sequence_parallel,
+        return {"chosen": dict(c.degrees), "ep": c.layout.ep, "sequence_parallel": c.layout.sequence_parallel, "cp_mode": c.layout.cp_mode,
                 "zero_stage": c.layout.zero_stage if c.layout.sharding > 1 else 0,
                 "microbatches": c.layout.microbatches, "accumulate": c.layout.accumulate, "micro_batch": c.layout.micro_batch,
                 "virtual_stages": c.layout.virtual_stages, "hardware": self.hardware.name,
@@ -170,30 +199,77 @@ def divisors(n: int) -> list[int]:
     return sorted(set(small + [n // d for d in small]))
 
 
-def degree_sets(world: int, experts: int = 0) -> list[tuple[int, int, int, int, int]]:
-    """Every ``(dp, sharding, tp, pp, ep)`` with ``dp·sharding·tp·pp = world`` (``ep`` divides ``dp·sharding`` and the experts)."""
+def degree_sets(world: int, experts: int = 0, cps: tuple[int, ...] | list[int] = (1,)) -> list[tuple[int, int, int, int, int, int]]:
+    """Every ``(dp, sharding, cp, tp, pp, ep)`` with ``dp·sharding·cp·tp·pp = world`` and ``cp`` one of ``cps`` (``ep``
+    divides ``dp·sharding`` and the experts)."""
     out = []
-    for tp in divisors(world):
-        for pp in divisors(world // tp):
-            rest = world // (tp * pp)
-            for sharding in divisors(rest):
-                eps = [e for e in divisors(rest) if experts and experts % e == 0] or [1]
-                for ep in eps:
-                    out.append((rest // sharding, sharding, tp, pp, ep))
+    for cp in (c for c in cps if world % c == 0):
+        for tp in divisors(world // cp):
+            for pp in divisors(world // (cp * tp)):
+                rest = world // (cp * tp * pp)
+                for sharding in divisors(rest):
+                    eps = [e for e in divisors(rest) if experts and experts % e == 0] or [1]
+                    for ep in eps:
+                        out.append((rest // sharding, sharding, cp, tp, pp, ep))
     return out
+
+
+#: Fewest tokens in each of the ``2·cp`` chunks the search considers: flash attention's tiles are 64–128 query rows.
+MIN_CP_CHUNK = 128
+
+
+def context_parallel_degrees(w: Workload, world: int, opts: SearchOptions) -> list[int]:
+    """The ``cp`` degrees worth searching: 1, and every divisor of ``world`` with ``2·cp`` dividing the sequence into
+    chunks of at least :data:`MIN_CP_CHUNK` tokens (up to ``opts.max_cp``) when the model has a context-parallel plan."""
+    if w.shape.cp_refusal or opts.max_cp == 1:
+        return [1]
+    return [c for c in divisors(world) if w.seq_len % (2 * c) == 0 and (c == 1 or w.seq_len // (2 * c) >= MIN_CP_CHUNK)
+            and (opts.max_cp is None or c <= opts.max_cp)]
+
+
+def dominated_by_less_cp(w: Workload, layout: Layout) -> bool:
+    """Whether moving ``g = gcd(micro-batch, cp) > 1`` of ``cp`` into data parallelism runs the same work with a shorter
+    ring (module docstring): fused or all-to-all attention (the same memory), an all-to-all the smaller cp allows."""
+    g = math.gcd(layout.micro_batch, layout.cp)
+    if g == 1 or (w.attention != "flash" and layout.cp_mode != "ulysses"):
+        return False
+    return layout.cp_mode == "ring" or ulysses_problem(w.shape.heads // layout.tp, max(w.shape.kv_heads // layout.tp, 1), layout.cp // g) is None
+
+
+def ulysses_problem(heads: int, kv_heads: int, cp: int) -> str | None:
+    """Why all-to-all attention cannot split these heads (those one tp rank holds) over ``cp`` ranks (None: it can):
+    query heads divide by cp, key/value heads divide by cp or divide it
+    (``parallelkit.distributed.context_parallel_attention.check_ulysses_heads``, without torch)."""
+    if heads % cp:
+        return f"strategy.cp_mode=ulysses: cp={cp} must divide the {heads} attention heads of a tp rank"
+    if kv_heads % cp and cp % kv_heads:
+        return f"strategy.cp_mode=ulysses: cp={cp} must divide the {kv_heads} key/value heads of a tp rank, or be divided by them"
+    return None
 
 
 def degree_problem(w: Workload, hw: Hardware, layout: Layout, opts: SearchOptions) -> str | None:
     """Why these degrees cannot run (None: they can), in the words of the checks that refuse them: what no strategy
     can change (divisibility, the batch split), what the model cannot do, and groups across nodes unless allowed."""
-    shape, tp, pp, ep = w.shape, layout.tp, layout.pp, layout.ep
+    shape, tp, pp, ep, cp = w.shape, layout.tp, layout.pp, layout.ep, layout.cp
     dp_size = layout.dp * layout.sharding
+    if cp > 1:
+        if shape.cp_refusal:
+            return f"strategy.cp={cp}: {shape.cp_refusal}"
+        if w.seq_len % (2 * cp):
+            return f"data.seq_len={w.seq_len} must divide by 2·cp = {2 * cp} (context parallelism's load-balanced chunks)"
+        if layout.cp_mode == "ulysses":
+            problem = ulysses_problem(shape.heads // tp, max(shape.kv_heads // tp, 1), cp)
+            if problem:
+                return problem
+        if layout.sharding > 1 and layout.zero_stage in (1, 2):
+            return f"ZeRO stage {layout.zero_stage} with strategy.cp={cp}: optimizer sharding composes with data parallelism only"
     if tp > 1:
         if shape.tp_plan:
             return shape.tp_plan
         if layout.sequence_parallel and shape.sp_refusal:
             return f"strategy.sequence_parallel=true with model={shape.family}: {shape.sp_refusal}"
-        sizes = list(shape.tp_sizes) + ([("data.seq_len (block_size)", w.seq_len)] if layout.sequence_parallel else [])
+        tokens = [(f"data.seq_len / cp ({w.seq_len} / {cp})" if cp > 1 else "data.seq_len (block_size)", w.seq_len // cp)]
+        sizes = list(shape.tp_sizes) + (tokens if layout.sequence_parallel else [])
         bad = [f"{name}={value}" for name, value in sizes if value % tp]
         if bad:
             return f"strategy.tp={tp} does not divide " + "; ".join(bad)
@@ -226,6 +302,16 @@ def sequence_parallel_options(w: Workload, hw: Hardware, base: Layout, opts: Sea
     if opts.sequence_parallel:
         return [True]
     return [False, True] if degree_problem(w, hw, replace(base, sequence_parallel=True), opts) is None else [False]
+
+
+def cp_mode_options(w: Workload, hw: Hardware, base: Layout, opts: SearchOptions) -> list[str]:
+    """The ``cp_mode`` values to cost for ``base``'s degrees: ring without cp (unused) and where it is asked for; the
+    one asked for; else ring, and ulysses where the heads allow it."""
+    if base.cp == 1:
+        return [base.cp_mode]
+    if opts.cp_mode is not None:
+        return [opts.cp_mode]
+    return ["ring", "ulysses"] if degree_problem(w, hw, replace(base, cp_mode="ulysses"), opts) is None else ["ring"]
 
 
 def batch_cuts(w: Workload, layout: Layout, opts: SearchOptions) -> list[tuple[int, int, int]]:
@@ -282,11 +368,12 @@ def search(w: Workload, hw: Hardware, world: int, opts: SearchOptions = SearchOp
     model = CostModel(w, hw)
     candidates: list[Candidate] = []
     invalid = 0
-    for dp, sharding, tp, pp, ep in degree_sets(world, w.shape.experts):
+    for dp, sharding, cp, tp, pp, ep in degree_sets(world, w.shape.experts, context_parallel_degrees(w, world, opts)):
         reshard = (pp == 1) if opts.reshard_after_forward is None else opts.reshard_after_forward
-        dims = ParallelDims(world, dp=dp, sharding=sharding, tp=tp, pp=pp, ep=ep, mesh_order=tuple(opts.mesh_order))
+        dims = ParallelDims(world, dp=dp, sharding=sharding, cp=cp, tp=tp, pp=pp, ep=ep, mesh_order=tuple(opts.mesh_order))
         base = Layout(dims, zero_stage=opts.zero_stage if sharding > 1 else 0, schedule=opts.schedule,
-                      reshard_after_forward=reshard, sequence_parallel=bool(opts.sequence_parallel) and tp > 1)
+                      reshard_after_forward=reshard, sequence_parallel=bool(opts.sequence_parallel) and tp > 1,
+                      cp_mode=opts.cp_mode or "ring")
         problem = degree_problem(w, hw, base, opts)
         cuts = [] if problem else batch_cuts(w, base, opts)
         if not problem and not cuts:
@@ -298,10 +385,13 @@ def search(w: Workload, hw: Hardware, world: int, opts: SearchOptions = SearchOp
             continue
         rank_batch = (w.global_batch // (dp * sharding)) if w.global_batch is not None else w.per_rank_batch * w.accumulate
         for sp in sequence_parallel_options(w, hw, base, opts):
-            for accumulate, m, v in cuts:
-                layout = replace(base, micro_batch=rank_batch // (accumulate * m), microbatches=m, accumulate=accumulate,
-                                 virtual_stages=v, sequence_parallel=sp)
-                candidates.append(evaluate(w, hw, layout, model))
+            for mode in cp_mode_options(w, hw, replace(base, sequence_parallel=sp), opts):
+                for accumulate, m, v in cuts:
+                    layout = replace(base, micro_batch=rank_batch // (accumulate * m), microbatches=m, accumulate=accumulate,
+                                     virtual_stages=v, sequence_parallel=sp, cp_mode=mode)
+                    if cp > 1 and dominated_by_less_cp(w, layout):
+                        continue
+                    candidates.append(evaluate(w, hw, layout, model))
     candidates.sort(key=_rank_key)
     plan = AutoPlan(world, hw, w, candidates, invalid)
     if not candidates or not candidates[0].fits:

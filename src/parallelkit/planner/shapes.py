@@ -9,7 +9,7 @@ in ``tests/unit/test_planner_workload.py``). Any other model (``model._target_=m
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -57,6 +57,7 @@ class ModelShape:
     tp_sizes: tuple[tuple[str, int], ...] = ()  # (name, size) that tp must divide, as the model's check names them
     sp_refusal: str | None = None  # why sequence parallelism is refused for this model (None: allowed)
     pp_refusal: str | None = None  # why the model cannot be cut into pipeline stages (None: it can)
+    cp_refusal: str | None = None  # why the model has no context-parallel plan (None: it has one)
     max_positions: int | None = None
     layer_tensors: int = 0  # parameter tensors of one dense layer (what per-tensor optimizer work iterates over)
     expert_tensors: int = 0  # parameter tensors of all experts of one MoE layer
@@ -105,8 +106,18 @@ def gpt_shape(model_cfg: Any, vocab: int, seq_len: int, *, moe: bool = False) ->
         dense_layer=attn + mlp, dense_layer_replicated=replicated, embed_params=vocab * h, head_params=vocab * h,
         first_extra=seq_len * h, last_extra=h + (h if bias else 0), tp_sizes=sizes,
         sp_refusal=("an MoE layer routes the whole residual stream, which sequence parallelism splits" if moe else None),
-        max_positions=seq_len, **kwargs,
+        cp_refusal=_gpt_cp_refusal(model_cfg, moe), max_positions=seq_len, **kwargs,
     )
+
+
+def _gpt_cp_refusal(model_cfg: Any, moe: bool) -> str | None:
+    """Why parallelkit's GPT cannot run context parallelism (models/gpt/parallelize.py ``context_parallel_plan``)."""
+    if moe:
+        return "model=moe_gpt has no context_parallel_plan (models/moe_gpt/parallelize.py)"
+    dropout = float(model_cfg.get("dropout", 0.0))
+    if dropout:
+        return f"model.dropout={dropout}: attention dropout needs whole rows of scores, which no context-parallel rank holds"
+    return None
 
 
 # ------------------------------------------------------------------------------------ Hugging Face configs
@@ -219,6 +230,17 @@ def hf_shape(config: dict[str, Any], *, source: str = "model=hf") -> ModelShape:
         sp_refusal = "its learned positions are added to the whole sequence, which sequence parallelism splits"
     else:
         sp_refusal = None
+    # As models/hf/parallelize.py's context_parallel_plan refuses (the attention implementation is checked in
+    # shape_from_config: it is the model's setting, not the transformers config's).
+    window = "sliding_attention" in (config.get("layer_types") or []) or (config.get("sliding_window") and config.get("use_sliding_window", True))
+    if not loop:
+        cp_refusal = f"{kind} has no context-parallel plan: it needs the decoder loop parallelkit rebuilds (positions from the whole sequence)"
+    elif window:
+        cp_refusal = f"{kind} uses sliding-window attention, which the ring's causal blocks do not mask"
+    elif any(float(config.get(k) or 0) > 0 for k in ("attention_dropout", "attn_pdrop")):
+        cp_refusal = f"{kind} has attention dropout, which needs whole rows of scores"
+    else:
+        cp_refusal = None
     sizes = (("num_attention_heads", heads), ("num_key_value_heads", kv), ("intermediate_size", ffn), ("vocab_size", vocab))
     positions = config.get("max_position_embeddings", config.get("n_positions", defaults.get("max_position_embeddings")))
     return ModelShape(
@@ -227,7 +249,7 @@ def hf_shape(config: dict[str, Any], *, source: str = "model=hf") -> ModelShape:
         dropout=any(float(config.get(k) or 0) > 0 for k in ("attention_dropout", "hidden_dropout", "resid_pdrop", "attn_pdrop", "dropout")),
         dense_layer=attn + 2 * norm + mlp, dense_layer_replicated=replicated, embed_params=vocab * embed_dim,
         head_params=0 if tied else vocab * embed_dim, first_extra=first, last_extra=last, tp_plan=tp_plan, tp_sizes=sizes,
-        sp_refusal=sp_refusal, pp_refusal=pp_refusal,
+        sp_refusal=sp_refusal, pp_refusal=pp_refusal, cp_refusal=cp_refusal,
         max_positions=int(positions) if positions else None, **kwargs,
     )
 
@@ -277,9 +299,15 @@ def shape_from_config(model_cfg: Any, seq_len: int, data_vocab: Callable[[], int
     if target in HF_TARGETS:
         config = hf_config_dict(model_cfg, vocab, seq_len)
         try:
-            return hf_shape(config)
+            shape = hf_shape(config)
         except KeyError:
             pass
+        else:
+            attention = model_cfg.get("attn_implementation", "sdpa")
+            if attention != "sdpa" and shape.cp_refusal is None:  # context parallelism replaces the SDPA call
+                shape = replace(shape, cp_refusal=f"model.attn_implementation={attention}: context parallelism replaces the "
+                                                  "scaled_dot_product_attention call (sdpa)")
+            return shape
     return shape_of_module(model_cfg, datamodule_kwargs(), seq_len)
 
 
@@ -302,4 +330,5 @@ def shape_of_module(model_cfg: Any, kwargs: dict[str, Any], seq_len: int) -> Mod
         ffn=4 * h, gated=False, vocab=sizes["vocab_size"], tied=False, dropout=False, dense_layer=layer,
         dense_layer_replicated=0, embed_params=0, head_params=0, first_extra=rest, last_extra=0,
         tp_plan=None, tp_sizes=(("model.n_head", heads),), max_positions=seq_len,
+        cp_refusal="the planner searches cp only for models it has a formula for (GPT, the Hugging Face families)",
     )

@@ -102,13 +102,13 @@ def published_layout(run: dict[str, Any], w: Workload, hw: Hardware) -> Candidat
 def published_base(run: dict[str, Any]) -> Layout:
     """The published degrees (one :class:`ParallelDims`) and options, before the batch cut."""
     spec = dict(run["layout"])
-    dp, sharding, tp, pp = spec["dp"], spec["sharding"], spec["tp"], spec["pp"]
-    dims = ParallelDims(dp * sharding * tp * pp, dp=dp, sharding=sharding, tp=tp, pp=pp)
+    dp, sharding, tp, pp, cp = spec["dp"], spec["sharding"], spec["tp"], spec["pp"], spec.get("cp", 1)
+    dims = ParallelDims(dp * sharding * cp * tp * pp, dp=dp, sharding=sharding, cp=cp, tp=tp, pp=pp)
     return Layout(dims, zero_stage=spec.get("zero_stage", 3 if sharding > 1 else 0), schedule=spec.get("schedule", "1f1b"),
                   reshard_after_forward=spec.get("reshard_after_forward", pp == 1),
                   sequence_parallel=bool(run.get("sequence_parallel", False)) and tp > 1,
                   embedding_and_loss_as_layers=bool(spec.get("embedding_and_loss_as_layers", False)),
-                  microbatch_group=int(spec.get("microbatch_group", 0)))
+                  microbatch_group=int(spec.get("microbatch_group", 0)), cp_mode=spec.get("cp_mode", "ring"))
 
 
 def parallelkit_can_run(result: Validation) -> str | None:
@@ -118,7 +118,8 @@ def parallelkit_can_run(result: Validation) -> str | None:
         return f"the published layout needs {result.published.memory['total'] / 2**30:.1f} GiB per device"
     ours = parallelkit_workload(result.run)
     layout = result.published.layout
-    return degree_problem(ours, result.hardware, layout, SearchOptions(schedule=layout.schedule, sequence_parallel=layout.sequence_parallel))
+    return degree_problem(ours, result.hardware, layout, SearchOptions(schedule=layout.schedule, sequence_parallel=layout.sequence_parallel,
+                                                                       cp_mode=layout.cp_mode))
 
 
 def parallelkit_workload(run: dict[str, Any]) -> Workload:
@@ -166,7 +167,7 @@ def refusals(w: Workload, hw: Hardware, world: int) -> str:
     from collections import Counter
 
     kinds: dict[str, Counter] = {}
-    for dp, sharding, tp, pp, ep in degree_sets(world, w.shape.experts):
+    for dp, sharding, _, tp, pp, ep in degree_sets(world, w.shape.experts):
         layout = Layout(ParallelDims(world, dp=dp, sharding=sharding, tp=tp, pp=pp, ep=ep))
         problem = degree_problem(w, hw, layout, SearchOptions(sequence_parallel=False))
         if problem is None:
@@ -177,20 +178,25 @@ def refusals(w: Workload, hw: Hardware, world: int) -> str:
     return "none: " + "; ".join(f"{kind}: {kinds[kind].most_common(1)[0][0]}" for kind in order)
 
 
+def degrees_text(lay: Layout) -> str:
+    """``dp×sh×tp×pp`` with ``cpN`` (and the all-to-all mode) and ``sp`` where they apply."""
+    cp = f" cp{lay.cp}" + (" ulysses" if lay.cp_mode == "ulysses" else "") if lay.cp > 1 else ""
+    return f"{lay.dp}×{lay.sharding}×{lay.tp}×{lay.pp}{cp}{' sp' if lay.sequence_parallel else ''}"
+
+
 def table(results: list[Validation]) -> str:
-    lines = ["| run | source | layout (dp×sh×tp×pp, micro-batch) | devices | published tok/s/device | predicted | pred/pub | fits (GiB) | strategy=auto instead | auto's prediction tok/s/device |",
+    lines = ["| run | source | layout (dp×sh×tp×pp [cp], micro-batch) | devices | published tok/s/device | predicted | pred/pub | fits (GiB) | strategy=auto instead | auto's prediction tok/s/device |",
              "|---|---|---|---|---:|---:|---:|---|---|---:|"]
     for r in results:
         lay, c = r.published.layout, r.published
         auto = r.auto.chosen if r.auto else None
-        auto_text = (f"{auto.layout.dp}×{auto.layout.sharding}×{auto.layout.tp}×{auto.layout.pp}{' sp' if auto.layout.sequence_parallel else ''}, "
+        auto_text = (f"{degrees_text(auto.layout)}, "
                      f"micro-batch {auto.layout.micro_batch}×{auto.layout.micro_steps}"
                      f"{f' v{auto.layout.virtual_stages}' if auto.layout.pp > 1 and auto.layout.virtual_stages > 1 else ''}"
                      f"{', recompute=' + r.auto.workload.recompute if r.auto.workload.recompute != r.run['recompute'] else ''}"
                      if auto else r.auto_note)
         lines.append(
-            f"| {r.name} | [{r.run['source'].split(',')[0]}]({r.run['url']}) | {lay.dp}×{lay.sharding}×{lay.tp}×{lay.pp}"
-            f"{' sp' if lay.sequence_parallel else ''}, {lay.micro_batch}"
+            f"| {r.name} | [{r.run['source'].split(',')[0]}]({r.run['url']}) | {degrees_text(lay)}, {lay.micro_batch}"
             f"{f'×{lay.micro_steps}' if lay.micro_steps > 1 else ''}{f' v{lay.virtual_stages}' if lay.virtual_stages > 1 else ''} | {lay.world:,} × {r.hardware.name} "
             f"| {r.published_tokens_per_s:,.1f} | {c.tokens_per_s_per_device:,.1f} | {r.ratio:.2f} | {'yes' if c.fits else 'NO'} "
             f"({c.memory['total'] / 2**30:.1f} of {r.hardware.usable_memory / 2**30:.1f}) | {auto_text} | "

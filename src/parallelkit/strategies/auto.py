@@ -1,4 +1,4 @@
-"""``strategy=auto``: pick ``dp × sharding × tp × pp`` and the batch cut for this model and machine, then train with hybrid4d.
+"""``strategy=auto``: pick ``dp × sharding × cp × tp × pp`` and the batch cut for this model and machine, then train with hybrid4d.
 
 The choice needs the model, the batch and the world size, which the strategy's own config does not hold,
 so :class:`AutoStrategy` is resolved by ``parallelkit.run`` once the world size is known and before any
@@ -50,8 +50,10 @@ class AutoStrategy(StrategyProtocol):
         max_microbatches: upper bound on pipeline micro-batches per rank and step (None: any).
         search_accumulate: choose ``trainer.accumulate_grad_batches`` for layouts without a pipeline.
         allow_tp_across_nodes / allow_ep_across_nodes: let tensor- / expert-parallel groups span nodes.
+        max_cp: the largest context-parallel degree searched (None: any the sequence and the model allow; 1: none).
         top: how many layouts the printed ranking shows.
-        **hybrid4d_kwargs: passed to ``hybrid4d`` for the chosen layout (``mesh_order``, ``schedule``, ...).
+        **hybrid4d_kwargs: passed to ``hybrid4d`` for the chosen layout (``mesh_order``, ``schedule``, ...);
+            ``sequence_parallel`` and ``cp_mode`` fix those choices (absent or null: searched).
 
     Example::
 
@@ -62,8 +64,8 @@ class AutoStrategy(StrategyProtocol):
 
     def __init__(self, hardware: Any = None, max_microbatches: int | None = None, search_accumulate: bool = True,
                  allow_tp_across_nodes: bool = False, allow_ep_across_nodes: bool = False, top: int = 8,
-                 **hybrid4d_kwargs: Any) -> None:
-        for name in ("dp", "sharding", "tp", "pp", "ep", "microbatches", "virtual_stages"):
+                 max_cp: int | None = None, **hybrid4d_kwargs: Any) -> None:
+        for name in ("dp", "sharding", "cp", "tp", "pp", "ep", "microbatches", "virtual_stages"):
             if name in hybrid4d_kwargs and not (name == "virtual_stages" and hybrid4d_kwargs[name] is None):
                 raise ConfigError(
                     f"strategy=auto chooses strategy.{name} itself; drop strategy.{name}={hybrid4d_kwargs[name]!r}, "
@@ -71,6 +73,8 @@ class AutoStrategy(StrategyProtocol):
                 )
         if max_microbatches is not None and (not isinstance(max_microbatches, int) or isinstance(max_microbatches, bool) or max_microbatches < 1):
             raise ConfigError(f"strategy.max_microbatches should be an int greater than 0 (or null). Got {max_microbatches!r}.")
+        if max_cp is not None and (not isinstance(max_cp, int) or isinstance(max_cp, bool) or max_cp < 1):
+            raise ConfigError(f"strategy.max_cp should be an int greater than 0 (or null). Got {max_cp!r}.")
         if not (hardware is None or isinstance(hardware, str) or hasattr(hardware, "items")):
             raise ConfigError(f"strategy.hardware should be a profile name, a path or a mapping of overrides. Got {hardware!r}.")
         self.hardware = hardware if isinstance(hardware, str) else dict(hardware or {})
@@ -81,6 +85,7 @@ class AutoStrategy(StrategyProtocol):
         self.allow_tp_across_nodes = bool(allow_tp_across_nodes)
         self.allow_ep_across_nodes = bool(allow_ep_across_nodes)
         self.top = top
+        self.max_cp = max_cp
         self.hybrid4d_kwargs = {k: v for k, v in hybrid4d_kwargs.items() if not (k == "virtual_stages" and v is None)}
         self.accelerator = "cpu"
         self.auto_plan: AutoPlan | None = None
@@ -104,7 +109,8 @@ class AutoStrategy(StrategyProtocol):
         """The hybrid4d strategy for the layout the cost model picks for ``devices × num_nodes`` ranks."""
         plan = choose_layout(cfg, devices * num_nodes, self.resolve_hardware(devices), max_microbatches=self.max_microbatches,
                              strategy_kwargs=self.hybrid4d_kwargs, search_accumulate=self.search_accumulate,
-                             allow_tp_across_nodes=self.allow_tp_across_nodes, allow_ep_across_nodes=self.allow_ep_across_nodes)
+                             allow_tp_across_nodes=self.allow_tp_across_nodes, allow_ep_across_nodes=self.allow_ep_across_nodes,
+                             max_cp=self.max_cp)
         rank_zero_info(format_ranking(plan, self.top))
         self.auto_plan = plan
         chosen = plan.chosen.layout
@@ -115,7 +121,7 @@ class AutoStrategy(StrategyProtocol):
         # An ordinary hybrid4d strategy for the chosen layout: its gradient accumulation (run.py cuts the batch and
         # builds the Trainer after binding it) and the plan, written to summary.json beside what was measured.
         accumulate = chosen.accumulate if chosen.pp == 1 and self.search_accumulate else None
-        kwargs.update(sequence_parallel=chosen.sequence_parallel, mesh_order=list(chosen.mesh_order))
+        kwargs.update(sequence_parallel=chosen.sequence_parallel, cp_mode=chosen.cp_mode, mesh_order=list(chosen.mesh_order))
         strategy = Hybrid4DStrategy(**chosen.degrees, ep=chosen.ep, microbatches=chosen.microbatches,
                                     accumulate_grad_batches=accumulate, auto_plan=record, **kwargs)
         return strategy

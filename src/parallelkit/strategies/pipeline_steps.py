@@ -3,7 +3,7 @@
 Each rank keeps only its stages of the model (cut by the model's pipeline plan: :mod:`parallelkit.models.plans`),
 runs the whole micro-batch schedule (forward *and* backward) in ``training_step``, and data parallelism
 averages the stage gradients over the ``dp`` mesh axis. Lightning's loop, callbacks, logging and checkpoints work as
-usual; what it took (DESIGN.md §7):
+usual; what it took:
 
 - Lightning calls ``training_step``, then ``zero_grad``, then ``backward``. The schedule's gradients are
   therefore set aside in ``training_step`` and added back in :meth:`PipelineSteps.backward` (scaled by

@@ -117,7 +117,7 @@ _STAGE_KNOBS = {
 
 
 def check_stage_knobs(stage: int, **given: Any) -> None:
-    """A knob set away from its default at a stage that ignores it is an error, not a silent no-op (STYLE.md 6):
+    """A knob set away from its default at a stage that ignores it is an error, not a silent no-op:
     the user would believe, say, that ``bucket_cap_mb`` tuned a stage-3 run."""
     import inspect
 

@@ -60,6 +60,8 @@ def chosen_as_hybrid4d(overrides: list[str], layout: Any) -> list[str]:
     dims = layout.dims
     chosen = ["strategy=hybrid4d", *(f"strategy.{axis}={degree}" for axis, degree in dims.as_dict().items()),
               f"strategy.mesh_order=[{','.join(dims.mesh_order)}]", f"strategy.sequence_parallel={str(layout.sequence_parallel).lower()}"]
+    if dims.cp > 1:
+        chosen.append(f"strategy.cp_mode={layout.cp_mode}")
     if layout.pp > 1:
         chosen += [f"strategy.microbatches={layout.microbatches}", f"strategy.schedule={layout.schedule}"]
         if layout.virtual_stages > 1:

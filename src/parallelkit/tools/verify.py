@@ -1,6 +1,6 @@
 """``python -m parallelkit.verify <overrides>``: does this configuration train like one process?
 
-The project's correctness contract (DESIGN.md §3) says that every exact strategy reproduces
+The project's correctness contract (README.md, "Correctness is a contract") says that every exact strategy reproduces
 ``strategy=single``'s per-step ``train_loss`` with the same seed, model, data and global batch. This runs
 ``train.py`` twice for a few steps — once with the given overrides, once as ``strategy=single`` on one
 process with everything else the same — and prints both losses per step, their relative difference and the

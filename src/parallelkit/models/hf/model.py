@@ -100,15 +100,18 @@ def build_config(family: str | None, config: str | None, pretrained: str | None,
     return hf_config
 
 
-def check_fits_data(hf_config: Any, vocab_size: int, block_size: int, source: str) -> None:
-    """The model's vocabulary holds the tokenizer's ids, and its positions the sequence length."""
-    if hf_config.vocab_size < vocab_size:
+def check_fits_data(hf_config: Any, vocab_size: int, block_size: int, source: str, tokenizer_vocab_size: int | None = None) -> None:
+    """The model's vocabulary holds the ids the tokenizer produces (``tokenizer_vocab_size`` when the data says it:
+    ``vocab_size`` may be padded up to ``data.vocab_multiple``, ids that never occur), and its positions the
+    sequence length."""
+    produced = tokenizer_vocab_size or vocab_size
+    if hf_config.vocab_size < produced:
+        fix = ("Use the tokenizer saved with the model (data.tokenizer=PATH)" if source.startswith("model.pretrained") else
+               f"Give the model the tokenizer's vocabulary: +model.overrides.vocab_size={produced} (random weights, so any size "
+               "works), or use the tokenizer that belongs to the config (data.tokenizer=PATH)")
         raise ConfigError(
             f"{source} has a vocabulary of {hf_config.vocab_size} tokens, but the data's tokenizer produces ids up to "
-            f"{vocab_size - 1}: the model and the tokenizer do not belong together. Use the tokenizer saved with the model "
-            "(data.tokenizer=PATH), or a model whose vocab_size covers it; a data module that pads the tokenizer's "
-            "vocabulary for tensor parallelism (data.vocab_multiple) needs data.vocab_multiple=1 for a model whose "
-            "vocabulary is fixed."
+            f"{produced - 1} ({produced} ids): the model and the tokenizer do not belong together. {fix}."
         )
     positions = getattr(hf_config, "max_position_embeddings", None)
     if positions is not None and positions < block_size:
@@ -120,6 +123,7 @@ class HFCausalLM(nn.Module):
 
     Args:
         vocab_size / block_size: from the data module (tokenizer vocabulary, ``data.seq_len``).
+        tokenizer_vocab_size: from the data module too: the ids its tokenizer produces (``vocab_size`` before padding).
         family: a small built-in config (``llama``, ``qwen2``, ``gpt2``, ``mixtral``); the default when neither
             ``config`` nor ``pretrained`` is given.
         config: a local config directory (``config.json``): random initialisation.
@@ -139,7 +143,7 @@ class HFCausalLM(nn.Module):
                  num_attention_heads: int | None = None, num_key_value_heads: int | None = None,
                  intermediate_size: int | None = None, num_local_experts: int | None = None,
                  num_experts_per_tok: int | None = None, overrides: dict[str, Any] | None = None,
-                 attn_implementation: str = "sdpa") -> None:
+                 attn_implementation: str = "sdpa", tokenizer_vocab_size: int | None = None) -> None:
         super().__init__()
         transformers = _transformers()
         sizes = dict(hidden_size=hidden_size, num_hidden_layers=num_hidden_layers, num_attention_heads=num_attention_heads,
@@ -150,7 +154,7 @@ class HFCausalLM(nn.Module):
             hf_config.vocab_size = vocab_size
             hf_config.max_position_embeddings = block_size
         source = f"model.pretrained={pretrained}" if pretrained else f"model.config={config}" if config else f"model.family={family or 'llama'}"
-        check_fits_data(hf_config, vocab_size, block_size, source)
+        check_fits_data(hf_config, vocab_size, block_size, source, tokenizer_vocab_size)
         hf_config._attn_implementation = attn_implementation
         if pretrained:
             self.hf = transformers.AutoModelForCausalLM.from_pretrained(pretrained, config=hf_config, dtype=torch.float32,

@@ -1,0 +1,120 @@
+"""``python -m parallelkit.checkpoint`` on real runs (issue 33, item 3): ``inspect`` names the layout of a one-process
+file, a tp directory and a pp directory; ``convert`` turns a pipeline's sharded directory into one file that
+``strategy=single`` continues exactly as its own uninterrupted 20-step run (computed here), and into a sharded
+directory that ``strategy=tp`` continues the same way. Negative control: the converted file with Adam's state
+dropped misses the reference by far, so the comparison sees the optimizer state the conversion carried.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from test_train import REL_TOL, TINY, max_rel_diff, run_ok
+
+BASE = [*TINY, "trainer.limit_val_batches=0"]
+PP = ["strategy=pp", "strategy.pp=2", "strategy.microbatches=2", "trainer.devices=2"]
+TP = ["strategy=tp", "strategy.tp=2", "trainer.devices=2"]
+
+
+def cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "parallelkit.checkpoint", *args], check=False, capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("convert")
+    out = {"reference": run_ok([*BASE, "strategy=single"], root / "single20")}
+    out["single_ckpt"] = root / "single20" / "checkpoints" / "last.ckpt"
+    for name, layout in (("pp", PP), ("tp", TP)):
+        run_ok([*BASE, *layout, "trainer.max_steps=10"], root / name)
+        out[f"{name}_ckpt"] = root / name / "checkpoints" / "last.ckpt"
+    return out
+
+
+def test_inspect_names_the_layout_of_a_file_a_tp_and_a_pp_directory(runs):
+    expected = {"single_ckpt": ("one file", "step:       20", "SingleStrategy"),
+                "tp_ckpt": ("tensor parallel, degree 2", "step:       10", "tp': 2"),
+                "pp_ckpt": ("pipeline parallel (2 per-stage optimizer group sets", "step:       10", "'pp': 2")}
+    for key, needles in expected.items():
+        done = cli("inspect", str(runs[key]))
+        assert done.returncode == 0, done.stderr[-3000:]
+        for needle in needles:
+            assert needle in done.stdout, (key, needle, done.stdout)
+        assert "tensors:    148," in done.stdout  # 37 parameters, each with Adam's step and two moments
+        assert "loads into: single, ddp" in done.stdout and "deepspeed: not yet" in done.stdout
+
+
+def test_pp_directory_converted_to_one_file_continues_under_single_exactly(runs, tmp_path):
+    converted = tmp_path / "from_pp.ckpt"
+    done = cli("convert", str(runs["pp_ckpt"]), str(converted), "strategy=single")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert converted.is_file()
+    checkpoint = torch.load(converted, weights_only=False)
+    assert "optimizer_states" in checkpoint and not any(k.startswith("optimizer_0") for k in checkpoint)  # the one-process layout
+    run = run_ok([*BASE, "strategy=single", f"ckpt_path={converted}"], tmp_path / "run")
+    reference = runs["reference"]["train_loss"]
+    assert len(run["train_loss"]) == 20
+    assert max_rel_diff(reference[10:], run["train_loss"][10:]) <= REL_TOL, (reference[10:], run["train_loss"][10:])
+
+    for state in checkpoint["optimizer_states"]:  # negative control: the same file without Adam's state
+        state["state"] = {}
+    torch.save(checkpoint, tmp_path / "no_adam.ckpt")
+    control = run_ok([*BASE, "strategy=single", f"ckpt_path={tmp_path / 'no_adam.ckpt'}"], tmp_path / "control")
+    assert max_rel_diff(reference[10:], control["train_loss"][10:]) > 100 * REL_TOL
+
+
+def test_file_converted_to_a_sharded_directory_continues_under_tp(runs, tmp_path):
+    one_file = tmp_path / "from_pp.ckpt"
+    assert cli("convert", str(runs["pp_ckpt"]), str(one_file), "strategy=single").returncode == 0
+    sharded = tmp_path / "sharded"
+    done = cli("convert", str(one_file), str(sharded), *TP)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (sharded / "meta.pt").is_file() and (sharded / ".metadata").is_file()
+    run = run_ok([*BASE, *TP, f"ckpt_path={sharded}"], tmp_path / "run")
+    reference = runs["reference"]["train_loss"]
+    assert max_rel_diff(reference[10:], run["train_loss"][10:]) <= REL_TOL, (reference[10:], run["train_loss"][10:])
+
+
+def test_half_written_run_directory_exits_2(runs, tmp_path):
+    """A copy of the tp directory without meta.pt (its writer died before the last file): refused, with the reason."""
+    import shutil
+
+    half = tmp_path / "last.ckpt"
+    shutil.copytree(runs["tp_ckpt"], half)
+    (half / "meta.pt").unlink()
+    for args in (("inspect", str(half)), ("convert", str(half), str(tmp_path / "o.ckpt"), "strategy=single")):
+        done = cli(*args)
+        assert done.returncode == 2 and "incomplete sharded checkpoint (no meta.pt" in done.stderr, done.stderr
+
+
+def test_deepspeed_directory_is_inspected_and_its_conversion_refused(tmp_path):
+    pytest.importorskip("deepspeed")
+    run_ok([*BASE, "strategy=deepspeed", "strategy.stage=2", "trainer.devices=2", "trainer.max_steps=4"], tmp_path / "ds")
+    ckpt = tmp_path / "ds" / "checkpoints" / "last.ckpt"
+    done = cli("inspect", str(ckpt))
+    assert done.returncode == 0, done.stderr[-3000:]
+    for needle in ("strategy=deepspeed, ZeRO stage 2, data parallel 2", "step:       4", "2 ZeRO partition files", "single_partition_of_fp32_groups"):
+        assert needle in done.stdout, (needle, done.stdout)
+    refused = cli("convert", str(ckpt), str(tmp_path / "o.ckpt"), "strategy=single")
+    assert refused.returncode == 2 and "not yet supported" in refused.stderr and "strategy=deepspeed" in refused.stderr, refused.stderr
+    assert not (tmp_path / "o.ckpt").exists()
+
+
+@pytest.mark.slow
+def test_interleaved_pipeline_converts_to_a_sharded_directory_but_not_yet_to_one_file(tmp_path):
+    """An interleaved schedule's ranks save groups of two stages each: one file is refused (the parameters' order
+    needs the model), a sharded directory continues under tp as the pipeline directory itself does, bit for bit."""
+    layout = ["strategy=pp", "strategy.pp=2", "strategy.microbatches=2", "strategy.schedule=interleaved_1f1b", "trainer.devices=2"]
+    small = [*BASE, "model.n_layer=4"]
+    run_ok([*small, *layout, "trainer.max_steps=7"], tmp_path / "ppi")
+    ckpt = tmp_path / "ppi" / "checkpoints" / "last.ckpt"
+    refused = cli("convert", str(ckpt), str(tmp_path / "one.ckpt"), "strategy=single")
+    assert refused.returncode == 2 and "not yet convertible to one file" in refused.stderr, refused.stderr
+    done = cli("convert", str(ckpt), str(tmp_path / "sharded"), *TP)
+    assert done.returncode == 0, done.stderr[-3000:]
+    direct = run_ok([*small, *TP, "trainer.max_steps=14", f"ckpt_path={ckpt}"], tmp_path / "direct")
+    converted = run_ok([*small, *TP, "trainer.max_steps=14", f"ckpt_path={tmp_path / 'sharded'}"], tmp_path / "converted")
+    assert converted["train_loss"] == direct["train_loss"]

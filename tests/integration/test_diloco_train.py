@@ -1,0 +1,95 @@
+"""End-to-end: ``python train.py callbacks=[diloco] ... trainer.devices=2``.
+
+Traffic against dense DDP run in the same test (same seed, model, data, global batch): H=4 sends DDP's bytes
+÷ 4, and with bf16 outer gradients ÷ 8, as ``summary.json``'s ``comm.bytes_sent_per_step`` (everything the
+run counts) says. Resume: a run killed after step 12 and resumed from its step-10 checkpoint (mid outer step;
+streaming: with fragment 0's all-reduce in flight) reproduces the uninterrupted run's ``train_loss`` bit for
+bit: every rank's own replica and inner optimizer state must come back, not rank 0's on every rank. A resume
+on fewer ranks than were saved cannot have them: it warns and restarts the outer step from the anchors. Bad
+settings stop before any rank starts (exit 2). The negative controls (a resume that forgets state, DDP's
+all-reduce left on) are in tests/distributed/test_diloco.py.
+(The algorithm against DDP and a simulation, step for step: tests/distributed/test_diloco.py.)
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import os
+from pathlib import Path
+
+from test_train import TINY, run_ok, train
+
+HERE = Path(__file__).resolve().parent
+# as in test_resume.py: checkpoints every 5 steps, rank 1 killed after step 12, resumed from step 10
+RESUME = [*TINY, "model.dropout=0.1", "checkpoint.every_n_steps=5", "trainer.log_every_n_steps=3"]
+KILL = ["+callbacks.kill._target_=fault_injection.KillRank", "+callbacks.kill.rank=1", "+callbacks.kill.at_step=12"]
+ENV = {"PYTHONPATH": f"{HERE}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+
+
+def _interrupted_then_resumed(args: list[str], run_dir: Path) -> dict:
+    killed = train([*args, *KILL, f"hydra.run.dir={run_dir}"], cwd=run_dir.parent, env=ENV)
+    assert killed.returncode != 0 and "killing rank 1 at step 12" in killed.stderr, killed.stderr[-2000:]
+    assert (run_dir / "checkpoints" / "last.ckpt").exists() and not (run_dir / "summary.json").exists()
+    return run_ok([*args, "ckpt_path=last"], run_dir, env=ENV)
+
+RANKS = ["trainer.devices=2"]
+H4 = ["callbacks=[diloco]", "callbacks.diloco.inner_steps=4"]
+STREAM = [*H4, "callbacks.diloco.fragments=2", "callbacks.diloco.overlap_steps=1", "callbacks.diloco.outer_dtype=bf16"]
+
+
+def _outer_bytes(run: dict) -> float:
+    return run["comm"]["by_kind"]["diloco_outer_allreduce"]["bytes_per_step"]
+
+
+def test_bytes_per_step_are_ddp_divided_by_h_and_by_the_outer_precision(tmp_path):
+    args = [*TINY, "trainer.max_steps=16", *RANKS]
+    dense = run_ok(args, tmp_path / "dense")
+    h4 = run_ok([*args, *H4], tmp_path / "h4")
+    stream = run_ok([*args, *STREAM], tmp_path / "stream")
+    dense_grad = dense["comm"]["by_kind"]["grad_allreduce"]["bytes_per_step"]
+    assert "grad_allreduce" not in h4["comm"]["by_kind"]  # the gradient all-reduce is really off
+    assert _outer_bytes(h4) * 4 == dense_grad
+    # 16 steps, fragments staggered by 2: each sent 4 times in bf16; at the end fragment 1's outer step is due,
+    # fragment 0 (synced 2 steps before) is averaged once more in fp32 so that the run ends with one model
+    f0, f1 = stream["diloco"]["fragment_numel"]
+    sent = (4 * f0 + 4 * f1) * 2 + f0 * 4
+    assert abs(_outer_bytes(stream) * 16 / sent - 1) < 0.02  # gloo's headers aside
+    assert dense_grad / _outer_bytes(stream) > 4 * 1.5
+    assert h4["diloco"]["outer_steps"] == 4 and h4["diloco"]["compression_ratio"] == 4.0
+    for run in (h4, stream):
+        assert run["train_loss"][-1] < run["train_loss"][0] - 0.5  # it trains
+    assert stream["diloco"]["extra_memory_bytes"]["in_flight"] < h4["diloco"]["extra_memory_bytes"]["in_flight"] / 3
+
+
+@pytest.mark.parametrize("method", [H4, STREAM], ids=["h4", "streaming"])
+def test_resume_mid_outer_step_is_bit_identical(method, tmp_path):
+    args = [*RESUME, *method, *RANKS]
+    straight = run_ok(args, tmp_path / "straight")
+    resumed = _interrupted_then_resumed(args, tmp_path / "resumed")
+    assert resumed["steps"] == 20
+    assert resumed["train_loss"] == straight["train_loss"]
+
+
+def test_resume_on_fewer_ranks_warns_and_restarts_the_outer_step(tmp_path):
+    args = [*RESUME, *H4, *RANKS]
+    run_dir = tmp_path / "resumed"
+    killed = train([*args, *KILL, f"hydra.run.dir={run_dir}"], cwd=tmp_path, env=ENV)
+    assert killed.returncode != 0
+    proc = train([*RESUME, *H4, "trainer.devices=1", "strategy=ddp", "ckpt_path=last", f"hydra.run.dir={run_dir}"], cwd=tmp_path, env=ENV)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "holds 2 replicas, this run has 1: every rank restarts the current outer step from the anchors" in proc.stderr
+
+
+@pytest.mark.parametrize("override,message", [
+    (["callbacks.diloco.fragments=3"], r"fragments \(3\) should divide inner_steps \(4\)"),
+    (["callbacks.diloco.overlap_steps=2", "callbacks.diloco.fragments=2"], r"overlap_steps \(2\) should be < inner_steps / fragments \(2\)"),
+    (["callbacks.diloco.outer_dtype=int8"], "outer_dtype should be one of"),
+    (["strategy=zero", "strategy.stage=3"], "averages full parameter replicas, which strategy=zero does not offer"),
+])
+def test_bad_settings_stop_before_any_rank_starts(override, message, tmp_path):
+    import re
+
+    proc = train([*TINY, *H4, *RANKS, *override, f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert re.search(message, proc.stderr), proc.stderr[-2000:]
