@@ -44,7 +44,7 @@ def _kinds(summary: dict) -> set[str]:
 
 def _degrees(dp: int = 1, sharding: int = 1, tp: int = 1, pp: int = 1, ep: int = 1) -> tuple[list[str], dict]:
     args = [f"strategy.{k}={v}" for k, v in dict(dp=dp, sharding=sharding, tp=tp, pp=pp, ep=ep).items()]
-    return args, dict(dp=dp, sharding=sharding, tp=tp, pp=pp, ep=ep)
+    return args, dict(dp=dp, sharding=sharding, cp=1, tp=tp, pp=pp, ep=ep)
 
 
 TP, PP = "tp_block.all_reduce", "pp_p2p"

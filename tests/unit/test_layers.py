@@ -25,7 +25,7 @@ print(" ".join(sorted(m for m in sys.modules if m.startswith({prefixes!r}))))
 # The package root: what starts and runs a job, the one-line modules that keep the commands' public names
 # (``python -m parallelkit.plan`` runs ``parallelkit.tools.plan``), and neutral modules that several layers share.
 # Anything else has a role, and a subpackage of that role: tools/, planner/, distributed/, ...
-ENTRY_AND_RUN = {"__init__", "__main__", "run", "run_dir", "optim", "console", "csv_logger"}
+ENTRY_AND_RUN = {"__init__", "__main__", "run", "run_dir", "config_check", "optim", "console", "csv_logger"}
 COMMANDS = {"plan", "verify", "export"}
 NEUTRAL = {"errors", "capabilities", "strategy_protocol", "hashing", "process_stats"}
 

@@ -97,12 +97,15 @@ class DataParallelDataModule(pl.LightningDataModule):
             return {}
         # ``processed`` counts the batches whose training step finished in this epoch (checkpoints are
         # written in on_train_batch_end, after the count; the loader itself has prefetched one more).
-        epochs = trainer.fit_loop.epoch_progress.current
-        if epochs.completed == epochs.started:
-            # Written after an epoch ended (current_epoch already counts it): the next epoch starts at its beginning,
-            # though the batch counters still hold the finished epoch's until the next one starts.
+        processed = trainer.fit_loop.epoch_loop.batch_progress.current.processed
+        epochs = getattr(trainer.fit_loop, "epoch_progress", None)
+        if epochs is not None and epochs.current.completed == epochs.current.started and processed >= trainer.num_training_batches:
+            # Written after an epoch ran all its batches (current_epoch already counts it): the next epoch starts at its
+            # beginning, though the batch counters still hold the finished epoch's until the next one starts. (An epoch
+            # counted as finished before its batches were, by a run stopped mid-epoch, keeps its position:
+            # periodic_checkpoint.continue_the_epoch puts it back in that epoch.)
             return {"epoch": trainer.current_epoch, "batches_done": 0}
-        return {"epoch": trainer.current_epoch, "batches_done": trainer.fit_loop.epoch_loop.batch_progress.current.processed}
+        return {"epoch": trainer.current_epoch, "batches_done": processed}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
