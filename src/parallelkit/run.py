@@ -21,7 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 from parallelkit.capabilities import DDP_COMM_HOOK, SERVER_TABLES, SPARSE_GRADIENTS
 from parallelkit.config_check import check_run_config
 from parallelkit.distributed.compile import apply_compile
-from parallelkit.distributed.elastic import restart_count
+from parallelkit.distributed.elastic import attempt_line, elastic_ckpt_path
 from parallelkit.distributed.recompute import apply_recompute
 from parallelkit.errors import ConfigError
 from parallelkit.launch import local_ranks, startup_gc
@@ -123,7 +123,8 @@ def resolve_num_nodes(requested: int, devices: int) -> int:
         return requested
     nodes = int(world) // devices
     if requested not in (1, nodes):
-        raise ConfigError(f"trainer.num_nodes={requested}, but torchrun started {world} processes of {devices} per node = {nodes} node(s).")
+        raise ConfigError(f"trainer.num_nodes={requested}, but torchrun started {world} processes of {devices} per node = {nodes} node(s). "
+                          "Leave trainer.num_nodes unset under torchrun: it follows the rendezvous (with --nnodes=MIN:MAX it changes).")
     return nodes
 
 
@@ -137,9 +138,9 @@ def output_dir(cfg: DictConfig) -> Path:
 
 def plan_run_dir(cfg: DictConfig, out: Path, max_steps: int, max_epochs: int | None = None) -> RunDirPlan:
     """``ckpt_path`` (``last`` under a torchrun restart) against what ``out`` holds: see :func:`parallelkit.run_dir.plan`."""
-    ckpt_path = cfg.get("ckpt_path")
-    if ckpt_path is None and (restart_count() or 0) > 0:
-        ckpt_path = "last"  # torchrun restarted this job after a failure: go on from the newest checkpoint
+    # torchrun restarted this job after a failure, or this agent joined a running elastic job: go on from the
+    # newest checkpoint (parallelkit.distributed.elastic)
+    ckpt_path = elastic_ckpt_path(cfg.get("ckpt_path"), out)
     try:
         return plan_dir(out, None if ckpt_path is None else str(ckpt_path), max_steps if isinstance(max_steps, int) else -1,
                         max_epochs if isinstance(max_epochs, int) else None)
@@ -167,7 +168,8 @@ def checkpoint_callbacks(cfg: DictConfig, out: Path) -> tuple[Any, Any]:
     node = cfg.get("checkpoint") or {}
     return (
         PeriodicCheckpoint(out / "checkpoints", every_n_steps=node.get("every_n_steps", 100), every_n_minutes=node.get("every_n_minutes", 30),
-                           save_top_k=node.get("save_top_k", 3), agree_every_s=node.get("agree_every_s", 2)),
+                           save_top_k=node.get("save_top_k", 3), agree_every_s=node.get("agree_every_s", 2),
+                           async_save=node.get("async_save", False)),
         LocalSigterm(checkpoint_on_signal=node.get("on_signal", True), grace_s=node.get("signal_grace_s", 20)),
     )
 
@@ -296,6 +298,10 @@ def _run(cfg: DictConfig) -> dict[str, Any] | None:
         strategy.bind_accelerator(accelerator)
         strategy.bind_trainer_config(trainer_cfg)
     dims = strategy.plan(devices * num_nodes)
+    if dir_plan is not None and (line := attempt_line(dims, devices, num_nodes, dir_plan.ckpt_path, cfg.strategy.get("dp"))):
+        from lightning.pytorch.utilities import rank_zero_info
+
+        rank_zero_info(line)  # a torchrun attempt that continues the job (restart, shrink, grow): its world and degrees
     # The degrees fit: this job's other local ranks build the same run alongside (unless started before Hydra,
     # which only happens when they fit too, or by torchrun/SLURM). Bad degrees start no process.
     local_ranks.ensure_started(devices, num_nodes)
@@ -340,7 +346,7 @@ def _run(cfg: DictConfig) -> dict[str, Any] | None:
     callbacks = [build(node, f"callbacks.{name}") for name, node in (cfg.get("callbacks") or {}).items()]
     # A callback that needs something of the strategy (a DDP comm hook, replicated parameters) says so now,
     # before the other ranks start work: one message and exit code 2, not an error in every rank.
-    for callback in callbacks:
+    for callback in [*callbacks, periodic_checkpoint]:
         if isinstance(callback, ParallelKitCallback):
             callback.check_strategy(strategy.lightning_strategy, dims)
     if isinstance(module, TrainModule) and not getattr(strategy, "supports", lambda _: False)(SERVER_TABLES):  # ps: tables on servers

@@ -2,7 +2,8 @@
 file, a tp directory and a pp directory; ``convert`` turns a pipeline's sharded directory into one file that
 ``strategy=single`` continues exactly as its own uninterrupted 20-step run (computed here), and into a sharded
 directory that ``strategy=tp`` continues the same way. Negative control: the converted file with Adam's state
-dropped misses the reference by far, so the comparison sees the optimizer state the conversion carried.
+dropped misses the reference by far, so the comparison sees the optimizer state the conversion carried. A DeepSpeed
+directory converts to one file whose parameters are DeepSpeed's own reconstruction and whose moments its partitions'.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ def test_inspect_names_the_layout_of_a_file_a_tp_and_a_pp_directory(runs):
         for needle in needles:
             assert needle in done.stdout, (key, needle, done.stdout)
         assert "tensors:    148," in done.stdout  # 37 parameters, each with Adam's step and two moments
-        assert "loads into: single, ddp" in done.stdout and "deepspeed: not yet" in done.stdout
+        assert "loads into: single, ddp" in done.stdout and "deepspeed stage 1/2/3" in done.stdout
 
 
 def test_pp_directory_converted_to_one_file_continues_under_single_exactly(runs, tmp_path):
@@ -90,17 +91,46 @@ def test_half_written_run_directory_exits_2(runs, tmp_path):
         assert done.returncode == 2 and "incomplete sharded checkpoint (no meta.pt" in done.stderr, done.stderr
 
 
-def test_deepspeed_directory_is_inspected_and_its_conversion_refused(tmp_path):
+@pytest.mark.parametrize("stage", [2, pytest.param(3, marks=pytest.mark.slow)])
+def test_deepspeed_directory_is_inspected_and_converted_to_its_parameters_and_adam_state(stage, runs, tmp_path):
+    """The conversion's parameters equal DeepSpeed's own reconstruction (``zero_to_fp32``); at stage 2 its Adam moments
+    equal the partitions decoded a second way, by the per-rank ``param_slice_mappings`` DeepSpeed records; the file
+    continues under ``strategy=single`` as the uninterrupted run."""
     pytest.importorskip("deepspeed")
-    run_ok([*BASE, "strategy=deepspeed", "strategy.stage=2", "trainer.devices=2", "trainer.max_steps=4"], tmp_path / "ds")
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    run_ok([*BASE, "strategy=deepspeed", f"strategy.stage={stage}", "trainer.devices=2", "trainer.max_steps=10"], tmp_path / "ds")
     ckpt = tmp_path / "ds" / "checkpoints" / "last.ckpt"
     done = cli("inspect", str(ckpt))
     assert done.returncode == 0, done.stderr[-3000:]
-    for needle in ("strategy=deepspeed, ZeRO stage 2, data parallel 2", "step:       4", "2 ZeRO partition files", "single_partition_of_fp32_groups"):
+    for needle in (f"strategy=deepspeed, ZeRO stage {stage}, data parallel 2", "step:       10", "2 ZeRO partition files", "deepspeed stage 1/2/3"):
         assert needle in done.stdout, (needle, done.stdout)
-    refused = cli("convert", str(ckpt), str(tmp_path / "o.ckpt"), "strategy=single")
-    assert refused.returncode == 2 and "not yet supported" in refused.stderr and "strategy=deepspeed" in refused.stderr, refused.stderr
-    assert not (tmp_path / "o.ckpt").exists()
+    converted = tmp_path / "from_ds.ckpt"
+    done = cli("convert", str(ckpt), str(converted), "strategy=single")
+    assert done.returncode == 0, done.stderr[-3000:]
+    checkpoint = torch.load(converted, weights_only=False)
+    expected = get_fp32_state_dict_from_zero_checkpoint(str(ckpt), tag="checkpoint")
+    assert set(expected) <= set(checkpoint["state_dict"])
+    for name, tensor in expected.items():
+        assert torch.equal(checkpoint["state_dict"][name], tensor), name
+    names = list(checkpoint["state_dict"])
+    moments = {names[i]: s for i, s in checkpoint["optimizer_states"][0]["state"].items()}
+    if stage == 2:
+        pieces: dict[str, list] = {}
+        for rank in (0, 1):
+            part = torch.load(ckpt / "checkpoint" / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt", weights_only=False)["optimizer_state_dict"]
+            exp_avg = part["base_optimizer_state"]["state"][0]["exp_avg"]
+            for name, fragment in part["param_slice_mappings"][0].items():
+                pieces.setdefault(name, []).append(exp_avg[fragment.start:fragment.start + fragment.numel])
+        for name, parts in pieces.items():
+            assert torch.equal(torch.cat(parts), moments[name]["exp_avg"].reshape(-1)), name
+        assert len(pieces) == len(expected)
+    run = run_ok([*BASE, "strategy=single", f"ckpt_path={converted}"], tmp_path / "run")
+    reference = runs["reference"]["train_loss"]
+    assert max_rel_diff(reference[10:], run["train_loss"][10:]) <= REL_TOL, (reference[10:], run["train_loss"][10:])
+    refused = cli("convert", str(ckpt), str(tmp_path / "o"), "strategy=deepspeed")
+    assert refused.returncode == 2 and "continues from any checkpoint as it is" in refused.stderr, refused.stderr
+    assert not (tmp_path / "o").exists()
 
 
 @pytest.mark.slow

@@ -115,14 +115,18 @@ def test_stage3_offload_params_resumes_from_its_checkpoint(reference, tmp_path):
     check_run(resumed, reference, 3)  # steps 11-20 continue from the restored weights, moments and schedule
 
 
-def test_resuming_another_strategys_checkpoint_is_a_clear_error(tmp_path):
+def test_continuing_another_strategys_checkpoint_with_params_offload_is_a_clear_error(tmp_path):
+    """Any other checkpoint continues into stage 1-3 (tests/integration/test_layout_change_resume.py); with
+    offload=params the partitions live in DeepSpeed's buffers: refused before any rank starts, naming what works."""
     run_dir = tmp_path / "run"
     proc = train([*TINY, "strategy=single", "trainer.max_steps=2", f"hydra.run.dir={run_dir}"], cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-4000:]
     ckpt = next((run_dir / "checkpoints").glob("*.ckpt"))
-    proc = train([*DS, "trainer.max_steps=4", f"ckpt_path='{ckpt}'", f"hydra.run.dir={tmp_path / 'ds'}"], cwd=tmp_path)
+    proc = train([*DS, "strategy.stage=3", "strategy.offload=params", "trainer.max_steps=4", f"ckpt_path='{ckpt}'",
+                  f"hydra.run.dir={tmp_path / 'ds'}"], cwd=tmp_path)
     assert proc.returncode == 2, proc.stderr[-4000:]
-    assert "not a strategy=deepspeed checkpoint" in proc.stderr
+    assert "was not written by strategy=deepspeed" in proc.stderr and "without strategy.offload=params" in proc.stderr
+    assert not (tmp_path / "ds").exists()
 
 
 # The validation itself is tested without processes in tests/distributed/test_deepspeed.py; here, one case

@@ -82,8 +82,9 @@ def test_model_too_large_for_one_device_is_sharded_or_split():
 def test_many_nodes_with_slow_links_keep_heavy_traffic_inside_nodes():
     cfg = compose_config(DEEP)
     slow = choose_layout(cfg, 32, hardware(inter_node=Link(1e9, 2e-5))).chosen
-    # tp never crosses (refused unless allowed); the gathers and reduce-scatters of sharding stay on the fast links.
-    assert not slow.crosses_nodes[TP] and not slow.crosses_nodes[SHARDING]
+    # tp never crosses (refused unless allowed). Sharding may: a ring across nodes runs over every member's own
+    # network card (members per node × the per-GPU inter-node bandwidth, docs/planner.md), so only the bytes are held.
+    assert not slow.crosses_nodes[TP]
     fast = choose_layout(cfg, 32, hardware()).chosen
 
     def across_nodes(c) -> float:

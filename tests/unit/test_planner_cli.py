@@ -105,9 +105,11 @@ def test_a_calibrated_profile_round_trips_and_loads_as_strategy_hardware(tmp_pat
     rates = [10.0] * 4
     raw = {op: {"2": [[4096.0, 1e-3], [2 * 2**20, 5e-3]]} for op in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")}
     result = {"matmul_measured": {"64,64,64,fp32": 1e-5}, "single_gemm_s": 0.05, "concurrent_rates": rates, "add_s": 0.01,
-              "tiny_op_s": 5e-6, "peak_gemm_s_fp32": 0.02, "collectives_raw": [raw] * 4}
+              "tiny_op_s": 5e-6, "peak_gemm_s_fp32": 0.02, "collectives_raw": [raw] * 4,
+              "host_overheads_s": {"step_overhead": 3e-3, "microbatch_overhead": 1e-3, "layer_step_overhead": 2e-4, "layer_overhead": 5e-4}}
     hw = profile_from_measurements(result, 4, ["fp32"])
     assert hw.compute_units_per_node == pytest.approx(2.0)  # four processes at 10/s against one alone at 20/s
+    assert hw.host_time(4, 2) == pytest.approx(3e-3 + 2 * 1e-3 + 4 * (2e-4 + 2 * 5e-4))  # the measured host time per step
     path = save_profile(hw, tmp_path / "hw.yaml")
     loaded = resolve_hardware(str(path), accelerator="cpu", devices_per_node=4)
     assert loaded == from_dict(yaml.safe_load(path.read_text()), "x") and loaded.collectives["p2p"][2] == hw.collectives["p2p"][2]

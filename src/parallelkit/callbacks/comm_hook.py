@@ -6,7 +6,9 @@ process starts (two such callbacks together cost one message and exit code 2, no
 then register it in ``setup``, after the process group exists and before the strategy wraps the model.
 :class:`CommHookCallback` does these steps once; a callback says only what differs: its :attr:`owner`, why it
 needs what it needs (:attr:`needs`), extra checks of the planned degrees (:meth:`check_degrees`) and the hook
-with its state (:meth:`build_hook`).
+with its state (:meth:`build_hook`). A hook whose state differs between the replicas (residuals, error
+feedback, replicas that train alone between averagings) also mixes in
+:class:`~parallelkit.callbacks.replica_state.ReplicaState`, which checkpoints every rank's own state.
 """
 
 from __future__ import annotations

@@ -9,6 +9,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from parallelkit.callbacks.comm_hook import CommHookCallback
+from parallelkit.callbacks.replica_state import ReplicaState
 from parallelkit.callbacks.run_summary import log_step_metrics
 from parallelkit.distributed.dgc import DEFAULT_SPARSITY, DGCState, dgc_hook
 from parallelkit.errors import ConfigError
@@ -16,7 +17,7 @@ from parallelkit.errors import ConfigError
 OWNER = "callbacks=[dgc]"
 
 
-class DeepGradientCompression(CommHookCallback):
+class DeepGradientCompression(ReplicaState, CommHookCallback):
     """Send only the top ``1 − sparsity`` of each rank's accumulated gradient (Lin et al., ICLR 2018).
 
     Installs :func:`~parallelkit.distributed.dgc.dgc_hook` as the strategy's DDP comm hook, so it needs a
@@ -27,6 +28,10 @@ class DeepGradientCompression(CommHookCallback):
     ``momentum > 0`` (``optim=sgd``), whose momentum the callback takes over and sets to 0 in the optimizer
     (as PaddlePaddle's ``DGCMomentumOptimizer`` does). ``momentum_correction=null`` turns it on for such an
     optimizer and off otherwise (AdamW has no momentum to move: the residual accumulates raw gradients).
+
+    Checkpoints hold every rank's own residuals and momenta (gathered to rank 0 at save time:
+    :mod:`parallelkit.callbacks.replica_state`), so a resumed run continues exactly; resumed on another number of
+    ranks, both restart from zero (one line says so).
 
     Args:
         sparsity: the warm-up list; its last value is the steady-state sparsity.
@@ -80,6 +85,7 @@ class DeepGradientCompression(CommHookCallback):
         self.dense_min_numel = dense_min_numel
         self.state: DGCState | None = None
         self._optimizer_momentum: float | None = None  # taken over from the optimizer (kept for resume)
+        self._params: dict[str, Any] = {}  # name -> parameter: the hook's per-parameter state, saved by name
         self._sent = 0.0
         self._dense = 0.0
         self._steady_sent = 0.0
@@ -107,6 +113,8 @@ class DeepGradientCompression(CommHookCallback):
         momentum = self._take_over_momentum(trainer)
         self.state.momentum = momentum
         self.state.momentum_masking = momentum > 0 and self.momentum_masking is not False
+        self._params = dict(pl_module.named_parameters())
+        self.restore_replicas(trainer)
         rank_zero_info(
             f"DGC: sparsity {self.sparsity} from step {self.rampup_begin_step} over {self.rampup_steps} steps; "
             f"momentum correction {'on (m=%g)' % momentum if momentum else 'off'}, "
@@ -205,11 +213,30 @@ class DeepGradientCompression(CommHookCallback):
             "local_clip_norm": self.local_clip_norm,
         }}
 
+    # ---------------------------------------------------------------- per-replica state (callbacks.replica_state)
     @override
-    def state_dict(self) -> dict[str, Any]:
-        # The residuals are not saved: a resumed run starts them from zero (they are at most a few steps' worth).
+    def shared_state(self) -> dict[str, Any]:
         return {"optimizer_momentum": self._optimizer_momentum}
 
     @override
+    def replica_entry(self, trainer: pl.Trainer) -> dict[str, Any]:
+        names = {p: name for name, p in self._params.items()}
+        return {key: {names[p]: t.clone() for p, t in store.items()}
+                for key, store in (("residuals", self.state.velocity), ("momenta", self.state.momentum_buffer))}
+
+    @override
+    def restore_entry(self, trainer: pl.Trainer, entry: dict[str, Any]) -> None:
+        for key, store in (("residuals", self.state.velocity), ("momenta", self.state.momentum_buffer)):
+            store.clear()
+            store.update({self._params[name]: t.clone() for name, t in entry[key].items()})
+
+    @override
+    def reset_replicas(self, trainer: pl.Trainer, replicas: list) -> str:
+        self.state.velocity.clear()
+        self.state.momentum_buffer.clear()
+        return "the residuals" + (" and momenta" if self.state.momentum else "") + " restart from zero."
+
+    @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
         self._optimizer_momentum = state_dict.get("optimizer_momentum")

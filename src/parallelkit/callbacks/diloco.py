@@ -5,14 +5,13 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import lightning.pytorch as pl
-import torch.distributed as dist
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
 from parallelkit.callbacks.comm_hook import CommHookCallback
+from parallelkit.callbacks.replica_state import ReplicaState
 from parallelkit.callbacks.run_summary import log_step_metrics
 from parallelkit.capabilities import DDP_COMM_HOOK, REPLICATED_PARAMS
-from parallelkit.distributed.comm_counting import uncounted
 from parallelkit.distributed.comm_stats import collective_bytes
 from parallelkit.distributed.diloco import OUTER_ALLREDUCE, OUTER_DTYPES, DiLoCo
 from parallelkit.distributed.local_sgd import GRAD_ALLREDUCE, LocalSGDState, local_sgd_hook
@@ -21,7 +20,7 @@ from parallelkit.errors import ConfigError
 OWNER = "callbacks=[diloco]"
 
 
-class DiLoCoCallback(CommHookCallback):
+class DiLoCoCallback(ReplicaState, CommHookCallback):
     """Replicas take ``inner_steps`` steps of the run's optimizer alone, then an outer Nesterov SGD applies their
     mean parameter delta (DiLoCo); with ``fragments`` > 1, ``overlap_steps`` or a half-precision
     ``outer_dtype``, Streaming DiLoCo. See :mod:`parallelkit.distributed.diloco`.
@@ -31,9 +30,9 @@ class DiLoCoCallback(CommHookCallback):
     sees the global parameters (the anchors, identical on every rank), not a replica. After the last step
     the outer step due then is applied and every other fragment is averaged, so the run ends with one model.
     Checkpoints hold the anchors, the outer optimizer, the in-flight fragment's averaged delta and every
-    rank's own parameters and inner optimizer state (gathered to rank 0 at save time), so a run resumed
-    mid-outer-step continues exactly; resumed on another number of ranks it restarts the outer step from the
-    anchors (with a warning).
+    rank's own parameters and inner optimizer state (gathered to rank 0 at save time:
+    :mod:`parallelkit.callbacks.replica_state`), so a run resumed mid-outer-step continues exactly; resumed on
+    another number of ranks it restarts the outer step from the anchors (one line says so).
 
     Args:
         inner_steps: H, inner optimizer steps between two outer steps (of each fragment).
@@ -83,7 +82,6 @@ class DiLoCoCallback(CommHookCallback):
                             nesterov=bool(nesterov), fragments=fragments, overlap_steps=overlap_steps, mix=float(mix),
                             outer_dtype=outer_dtype)
         self.diloco: DiLoCo | None = None
-        self._trainer: pl.Trainer | None = None
         self._loaded: dict | None = None
         self._local: list | None = None  # the replica's parameters while validation holds the anchors
         self._sent = 0
@@ -101,12 +99,12 @@ class DiLoCoCallback(CommHookCallback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if len(trainer.optimizers) != 1:
             raise ConfigError(f"{OWNER} drives one inner optimizer; this module configures {len(trainer.optimizers)}.")
-        self._trainer = trainer
         strategy = trainer.strategy
         params = [p for p in pl_module.parameters() if p.requires_grad]
         self.diloco = DiLoCo(params, strategy.data_parallel_group, strategy.comm_stats, **self.options)
         if self._loaded:
-            self._restore(trainer, self._loaded)
+            self.diloco.load_state_dict(self._loaded["diloco"])
+        self.restore_replicas(trainer)
         grad_bytes = sum(p.numel() * p.element_size() for p in params)
         self._dense_step_bytes = collective_bytes(grad_bytes, "all_reduce", strategy.data_parallel_group)
         self._last_bytes = self._bytes(trainer)
@@ -115,21 +113,29 @@ class DiLoCoCallback(CommHookCallback):
                        f"{', Nesterov' if o['nesterov'] else ''}), {o['fragments']} fragment(s), overlap {o['overlap_steps']} "
                        f"step(s), outer gradients in {o['outer_dtype']}.")
 
-    def _restore(self, trainer: pl.Trainer, loaded: dict) -> None:
-        self.diloco.load_state_dict(loaded["diloco"])
-        replicas = loaded.get("replicas")
-        rank, world = dist.get_rank(trainer.strategy.data_parallel_group), dist.get_world_size(trainer.strategy.data_parallel_group)
-        if replicas is not None and len(replicas) == world:
-            # Lightning loaded rank 0's parameters and optimizer state on every rank: put this replica's own back
-            mine = replicas[rank]
-            for p, saved in zip(self.diloco.params, mine["params"], strict=True):
-                p.data.copy_(saved)
-            trainer.optimizers[0].load_state_dict(mine["optimizer"])
-            return
-        rank_zero_warn(f"{OWNER}: the checkpoint holds {len(replicas or [])} replicas, this run has {world}: "
-                       f"every rank restarts the current outer step from the anchors (the replicas' local progress is lost).")
+    # ---------------------------------------------------------------- per-replica state (callbacks.replica_state)
+    @override
+    def shared_state(self) -> dict[str, Any]:
+        return {"diloco": self.diloco.state_dict()}
+
+    @override
+    def replica_entry(self, trainer: pl.Trainer) -> dict[str, Any]:
+        # the replica's own parameters (not the anchors validation may hold now) and inner optimizer state
+        return {"params": [t.detach().clone() for t in (self._local or self.diloco.params)],
+                "optimizer": trainer.optimizers[0].state_dict()}
+
+    @override
+    def restore_entry(self, trainer: pl.Trainer, entry: dict[str, Any]) -> None:
+        # Lightning loaded rank 0's parameters and optimizer state on every rank: put this replica's own back
+        for p, saved in zip(self.diloco.params, entry["params"], strict=True):
+            p.data.copy_(saved)
+        trainer.optimizers[0].load_state_dict(entry["optimizer"])
+
+    @override
+    def reset_replicas(self, trainer: pl.Trainer, replicas: list) -> str:
         # the in-flight fragment's averaged delta is the same on every rank and stays valid: it is kept
         self.diloco.swap_back(self.diloco.anchors)
+        return "every rank restarts the current outer step from the anchors (the replicas' local progress is lost)."
 
     def _bytes(self, trainer: pl.Trainer) -> int:
         stats = trainer.strategy.comm_stats
@@ -178,22 +184,3 @@ class DiLoCoCallback(CommHookCallback):
             "fragment_numel": [sum(self.diloco.params[i].numel() for i in idx) for idx in self.diloco.fragments] if self.diloco else [],
             "extra_memory_bytes": self.diloco.memory_bytes() if self.diloco else {},
         }}
-
-    @override
-    def state_dict(self) -> dict[str, Any]:
-        if self.diloco is None:
-            return dict(self._loaded or {})
-        trainer = self._trainer
-        own = {"params": [t.detach().clone() for t in (self._local or self.diloco.params)],
-               "optimizer": trainer.optimizers[0].state_dict()}
-        group = trainer.strategy.data_parallel_group
-        gathered = [None] * dist.get_world_size(group) if dist.get_rank(group) == 0 else None
-        # every rank saves (Lightning calls this on all of them) and only rank 0 writes: the replicas' own
-        # parameters and inner optimizer states differ mid-outer-step, so they travel to rank 0 (not a step's traffic)
-        with uncounted():
-            dist.gather_object(own, gathered, dst=dist.get_global_rank(group, 0), group=group)
-        return {"diloco": self.diloco.state_dict(), "replicas": gathered}
-
-    @override
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._loaded = dict(state_dict) or None

@@ -8,6 +8,7 @@ import lightning.pytorch as pl
 from typing_extensions import override
 
 from parallelkit.callbacks.comm_hook import CommHookCallback
+from parallelkit.callbacks.replica_state import ReplicaState
 from parallelkit.callbacks.run_summary import log_step_metrics
 from parallelkit.distributed.comm_hooks import COMPRESSION_METHODS, GRAD_ALLREDUCE, GRAD_HOOK_INPUT, POWERSGD_ALLREDUCE, build_compression_hook
 from parallelkit.errors import ConfigError
@@ -16,7 +17,7 @@ OWNER = "callbacks=[grad_compression]"
 _KINDS = (GRAD_ALLREDUCE, POWERSGD_ALLREDUCE, GRAD_HOOK_INPUT)
 
 
-class GradCompression(CommHookCallback):
+class GradCompression(ReplicaState, CommHookCallback):
     """Compress the DDP gradient all-reduce with ``method``:
 
     - ``fp16``: gradients travel in fp16 (half the bytes; every backend);
@@ -27,6 +28,11 @@ class GradCompression(CommHookCallback):
       all-reduces are counted exactly (``powersgd_allreduce``).
 
     Needs a DDP strategy (``strategy=ddp``); others, ``single`` included, are refused at setup.
+
+    PowerSGD's state goes into checkpoints: every rank's own error feedback (gathered to rank 0 at save time:
+    :mod:`parallelkit.callbacks.replica_state`), its warm-start factors, step counter and random state, per
+    parameter (:mod:`parallelkit.distributed.powersgd_state`), so a resumed run continues exactly. Resumed on
+    another number of ranks, the error feedback restarts from zero (one line says so). fp16 and bf16 keep no state.
 
     Args:
         method: ``fp16``, ``bf16`` or ``powersgd``.
@@ -58,6 +64,7 @@ class GradCompression(CommHookCallback):
                          "min_compression_rate": min_compression_rate, "use_error_feedback": use_error_feedback,
                          "warm_start": warm_start}
         self._last = (0.0, 0.0)
+        self._params: dict[str, Any] = {}  # name -> parameter: PowerSGD's state is saved per parameter name
 
     @override
     def build_hook(self, strategy: Any) -> tuple[Callable, Any]:
@@ -66,6 +73,39 @@ class GradCompression(CommHookCallback):
                                           **(self.powersgd if self.method == "powersgd" else {}))
         except ValueError as err:  # e.g. bf16 on gloo: torch's own words, named after the option that chose it
             raise ConfigError(f"callbacks.grad_compression.method={self.method}: {err}.") from None
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._params = dict(pl_module.named_parameters())
+        self.restore_replicas(trainer)
+
+    # ---------------------------------------------------------------- per-replica state (callbacks.replica_state)
+    @override
+    def shared_state(self) -> dict[str, Any]:
+        return {"method": self.method}
+
+    @override
+    def replica_entry(self, trainer: pl.Trainer) -> dict[str, Any]:
+        if self.method != "powersgd":
+            return {}
+        return self.state.layout.state_by_param(self.state.inner_state, {p: name for name, p in self._params.items()})
+
+    @override
+    def restore_entry(self, trainer: pl.Trainer, entry: dict[str, Any]) -> None:
+        if self.method == "powersgd" and entry:
+            self.state.layout.load_by_param(self.state.inner_state, entry, self._params)
+
+    @override
+    def reset_replicas(self, trainer: pl.Trainer, replicas: list) -> str:
+        if self.method == "powersgd" and replicas and replicas[0]:
+            # rank 0's entry: the factors, counter and random state are the same on every rank, the error is not
+            self.state.layout.load_by_param(self.state.inner_state, replicas[0], self._params, keep_error=False)
+            return "PowerSGD's error feedback restarts from zero (its warm-start factors and step counter carry over)."
+        return "PowerSGD's state restarts from zero."
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return super().state_dict() if self.method == "powersgd" else {}
 
     def _bytes(self, trainer: pl.Trainer) -> tuple[float, float]:
         stats = trainer.strategy.comm_stats

@@ -5,10 +5,12 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from parallelkit.callbacks.comm_hook import CommHookCallback
+from parallelkit.callbacks.replica_state import ReplicaState
 from parallelkit.callbacks.run_summary import log_step_metrics
 from parallelkit.capabilities import DDP_COMM_HOOK, REPLICATED_PARAMS
 from parallelkit.distributed.comm_stats import collective_bytes
@@ -18,7 +20,7 @@ from parallelkit.errors import ConfigError
 OWNER = "callbacks=[local_sgd]"
 
 
-class LocalSGDCallback(CommHookCallback):
+class LocalSGDCallback(ReplicaState, CommHookCallback):
     """Ranks step on their own gradients and average parameters every ``k_steps`` optimizer steps.
 
     Installs :func:`~parallelkit.distributed.local_sgd.local_sgd_hook` as the DDP comm hook, which sends
@@ -28,6 +30,12 @@ class LocalSGDCallback(CommHookCallback):
     ``strategy=single`` is refused (one process has nothing to average). The last step always averages, so
     the run ends with one model (the checkpoint and the final validation see it). Meant for momentum SGD
     (``optim=sgd``); with Adam-type optimizers it warns (their normalised steps partly cancel in the average).
+
+    Checkpoints hold the schedule and every rank's own parameters, optimizer state and running period loss
+    (gathered to rank 0 at save time: :mod:`parallelkit.callbacks.replica_state`), so a run resumed mid-period
+    continues exactly; so does a finished run taken further (its final checkpoint holds the replicas as they were
+    before the end-of-run averaging, and the averaged model). Resumed on another number of ranks, every rank
+    starts from the mean of the saved replicas' parameters with rank 0's optimizer state (one line says so).
 
     Args:
         k_steps: averaging period in optimizer steps (the initial period when ``adaptive``).
@@ -77,7 +85,8 @@ class LocalSGDCallback(CommHookCallback):
         self.local = LocalSGD(params, self.state, k_steps=self.k_steps, begin_step=self.begin_step,
                               adaptive=self.adaptive, max_period=self.max_period)
         if self._loaded:
-            self.local.load_state_dict(self._loaded)
+            self.local.load_state_dict(self._loaded.get("schedule", self._loaded))  # before: the schedule alone
+        self.restore_replicas(trainer)
         # What plain DDP's gradient all-reduce writes per step on the same backend (framing included).
         grad_bytes = sum(p.numel() * p.element_size() for p in params)
         self._dense_step_bytes = collective_bytes(grad_bytes, "all_reduce", trainer.strategy.data_parallel_group)
@@ -109,8 +118,11 @@ class LocalSGDCallback(CommHookCallback):
         if step is None:
             return
         last = trainer.max_steps is not None and 0 < trainer.max_steps <= trainer.global_step
-        synced = self.local.after_step(step, self._step_loss, force=last)
+        synced = self.local.after_step(step, self._step_loss)
         self._step_loss = 0.0
+        if last and not synced and self.local.is_local(step):
+            self._end_with_one_model(trainer, step)
+            synced = True
         now = self._bytes(trainer)
         sent, self._last_bytes = now - self._last_bytes, now
         self._sent += sent
@@ -121,7 +133,13 @@ class LocalSGDCallback(CommHookCallback):
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.local is not None and self.local.last_sync < trainer.global_step and self.local.is_local(trainer.global_step - 1):
             # stopped before max_steps (e.g. max_epochs): still end with one model
-            self.local.after_step(trainer.global_step - 1, self._step_loss, force=True)
+            self._end_with_one_model(trainer, trainer.global_step - 1)
+
+    def _end_with_one_model(self, trainer: pl.Trainer, step: int) -> None:
+        """Average because the run ends here, not because the period is over: the checkpoint of this step keeps
+        the replicas as the uninterrupted run has them (a run taken further continues exactly)."""
+        self.hold_for_continuation(trainer)
+        self.local.sync(step)
 
     def summary_metrics(self, trainer: pl.Trainer) -> dict[str, Any]:
         steps = max(self._steps, 1)
@@ -139,10 +157,34 @@ class LocalSGDCallback(CommHookCallback):
             "adaptive": self.adaptive,
         }}
 
+    # ---------------------------------------------------------------- per-replica state (callbacks.replica_state)
     @override
-    def state_dict(self) -> dict[str, Any]:
-        return self.local.state_dict() if self.local is not None else {}
+    def shared_state(self) -> dict[str, Any]:
+        return {"schedule": self.local.state_dict()}
 
     @override
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._loaded = dict(state_dict) or None
+    def replica_entry(self, trainer: pl.Trainer) -> dict[str, Any]:
+        return {"params": [p.detach().clone() for p in self.local.params],
+                "optimizer": [opt.state_dict() for opt in trainer.optimizers],
+                "period_loss_sum": self.local.period_loss_sum}
+
+    @override
+    def restore_entry(self, trainer: pl.Trainer, entry: dict[str, Any]) -> None:
+        # Lightning loaded rank 0's parameters and optimizer state on every rank: put this replica's own back
+        with torch.no_grad():
+            for p, saved in zip(self.local.params, entry["params"], strict=True):
+                p.copy_(saved)
+        for opt, saved in zip(trainer.optimizers, entry["optimizer"], strict=True):
+            opt.load_state_dict(saved)
+        self.local.period_loss_sum = entry["period_loss_sum"]
+
+    @override
+    def reset_replicas(self, trainer: pl.Trainer, replicas: list) -> str:
+        if not replicas:
+            return "every rank continues from rank 0's parameters and optimizer state."
+        with torch.no_grad():
+            for i, p in enumerate(self.local.params):
+                p.copy_(torch.stack([r["params"][i] for r in replicas]).mean(0))
+        self.local.period_loss_sum = sum(r["period_loss_sum"] for r in replicas) / len(replicas)
+        return (f"every rank continues from the mean of the {len(replicas)} saved replicas' parameters, with rank 0's "
+                "optimizer state (the averaging schedule carries on).")

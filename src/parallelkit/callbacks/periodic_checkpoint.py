@@ -16,6 +16,13 @@ process killed while writing leaves the previous checkpoint loadable; a failed w
 validation follows is written after it, so that a resumed run neither repeats nor skips that validation.
 The final state (step ``trainer.max_steps``) is written the same way, at that step's boundary (``last.ckpt``;
 a step checkpoint too if one is due), so that a finished run taken further resumes mid-epoch, exactly.
+
+With ``async_save=True`` a save stages the state between two steps and a background thread writes it while
+training goes on (:mod:`parallelkit.distributed.async_checkpoint`); the step checkpoint is then a hard link of
+``last.ckpt``. One save is in flight at most: a save that falls due before the previous one is on disk waits
+for it, and so do the end of training, a stop on a signal and a failure (before the process exits). A failed
+background write stops the job at the next of these points with the same :class:`~parallelkit.errors.WriteFailed`,
+on every rank.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ from lightning.pytorch.callbacks import Checkpoint
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
+from parallelkit.callbacks.base import ParallelKitCallback
 from parallelkit.callbacks.local_sigterm import StoppedBySignal
 from parallelkit.errors import ConfigError, WriteFailed
 
@@ -40,7 +48,7 @@ LAST = "last.ckpt"
 MAX_STEPS_BETWEEN_AGREEMENTS = 10_000
 
 
-class PeriodicCheckpoint(Checkpoint):
+class PeriodicCheckpoint(Checkpoint, ParallelKitCallback):
     """Checkpoint every ``every_n_steps`` optimizer steps and/or ``every_n_minutes``, keep the newest ``save_top_k``.
 
     Args:
@@ -50,6 +58,8 @@ class PeriodicCheckpoint(Checkpoint):
             ``None``: not by time.
         save_top_k: step checkpoints kept besides ``last.ckpt`` (the newest ones); -1: all; 0: ``last.ckpt`` only.
         agree_every_s: how often (seconds of training) the ranks agree on time-based checkpoints and stops.
+        async_save: write each checkpoint on a background thread from a staged copy while training goes on (one
+            save in flight at most); ``False``: training waits while it is written.
 
     Example::
 
@@ -57,7 +67,7 @@ class PeriodicCheckpoint(Checkpoint):
     """
 
     def __init__(self, dirpath: str | Path, every_n_steps: int | None = 100, every_n_minutes: float | None = 30.0,
-                 save_top_k: int = 3, agree_every_s: float = 2.0) -> None:
+                 save_top_k: int = 3, agree_every_s: float = 2.0, async_save: bool = False) -> None:
         if every_n_steps is not None and (not isinstance(every_n_steps, int) or isinstance(every_n_steps, bool) or every_n_steps < 0):
             raise ConfigError(f"checkpoint.every_n_steps should be an int ≥ 0 (0 or null: not by steps). Got {every_n_steps!r}.")
         if every_n_minutes is not None and (not isinstance(every_n_minutes, (int, float)) or isinstance(every_n_minutes, bool)
@@ -67,6 +77,8 @@ class PeriodicCheckpoint(Checkpoint):
             raise ConfigError(f"checkpoint.save_top_k should be an int ≥ -1 (-1: keep all, 0: last.ckpt only). Got {save_top_k!r}.")
         if not isinstance(agree_every_s, (int, float)) or agree_every_s <= 0:
             raise ConfigError(f"PeriodicCheckpoint(agree_every_s=...) should be a number of seconds greater than 0. Got {agree_every_s!r}.")
+        if not isinstance(async_save, bool):
+            raise ConfigError(f"checkpoint.async_save should be true or false. Got {async_save!r}.")
         self.dirpath = Path(dirpath)
         self.every_n_steps = every_n_steps or 0
         self.every_n_minutes = float(every_n_minutes or 0)
@@ -76,11 +88,25 @@ class PeriodicCheckpoint(Checkpoint):
         self._stopper: Any = None
         self._pending: int | None = None  # a checkpoint deferred to the end of validation (the stop signal, or 0)
         self._pending_step_file = True  # ... and whether it writes a step checkpoint (not for the final state alone)
+        self.async_save = async_save
+        self._writer: Any = None  # the background writer (async_save), built in setup for the strategy's layout
+        self._written_step: int | None = None  # the step of the newest checkpoint complete on disk
+        #: one entry per save: {step, stall_s (training stood still), write_s (on disk after), async}
+        self.save_records: list[dict[str, Any]] = []
 
     @property
     @override
     def state_key(self) -> str:
         return self._generate_state_key(dirpath=str(self.dirpath))
+
+    @override
+    def check_strategy(self, strategy: Any, dims: Any = None) -> None:
+        """``async_save`` needs a strategy whose checkpoint the background writer can write (not DeepSpeed's, the
+        parameter server's): refused before any process starts."""
+        if self.async_save:
+            from parallelkit.distributed.async_checkpoint import checkpoint_layout
+
+            checkpoint_layout(strategy)
 
     # ---------------------------------------------------------------------------------------- hooks
     @override
@@ -104,12 +130,21 @@ class PeriodicCheckpoint(Checkpoint):
         self._stopper = next((cb for cb in trainer.callbacks if callable(getattr(cb, "agreement_signal", None))), None)
         if self._stopper is not None:
             self._stopper.connect(self)
+        if self.async_save and self._writer is None:
+            from parallelkit.distributed.async_checkpoint import AsyncCheckpointWriter, checkpoint_layout
+
+            if not callable(getattr(getattr(trainer, "_checkpoint_connector", None), "dump_checkpoint", None)):
+                raise RuntimeError("checkpoint.async_save relies on Lightning's trainer._checkpoint_connector.dump_checkpoint "
+                                   "(Lightning 2.6): this Lightning version has none; check the pinned version.")
+            self._writer = AsyncCheckpointWriter(checkpoint_layout(trainer.strategy), timeout_s=getattr(trainer.strategy, "timeout_s", 600.0))
+            self._writer.setup(trainer.strategy)
 
     @override
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         now = time.monotonic()
         # The step a resumed run starts at is in its checkpoint already: nothing to write until the next one.
         self._seen_step = self._saved_step = self._agreed_step = trainer.global_step
+        self._written_step = trainer.global_step
         self._saved_at = self._agreed_at = now
         self._next_agreement = trainer.global_step + 1
         self._pending, self._pending_step_file = None, True
@@ -154,6 +189,26 @@ class PeriodicCheckpoint(Checkpoint):
         if trainer.global_step != self._saved_step:
             pending = self._pending_step_file if self._pending is not None else False
             self._save(trainer, step_file=bool(pending or (self.every_n_steps and trainer.global_step % self.every_n_steps == 0)))
+        self._finish_async(trainer)  # training is over once its last checkpoint is on disk
+
+    @override
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        # A save in flight is finished before the process goes (the ranks may not be in step: no collective).
+        # A failure of that write is this rank's to report unless the job is already stopping for a write.
+        if self._writer is None or not self._writer.in_flight:
+            return
+        record = self._writer.wait()
+        if record is not None and record.error is None:
+            self._completed(trainer, record, prune=False)
+        elif record is not None and not isinstance(exception, WriteFailed):
+            rank_zero_info(f"parallelkit: the checkpoint of step {record.step} could not be written either ({_reason(record.error)}).")
+
+    @override
+    def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        if self._writer is not None:
+            self._writer.wait()
+            self._writer.close()
+            self._writer = None
 
     # ---------------------------------------------------------------------------------------- agreement
     def _agrees(self) -> bool:
@@ -182,6 +237,8 @@ class PeriodicCheckpoint(Checkpoint):
         if signum and self._stopper is not None:
             self._stopper.stopping()  # from here on, a timer or another signal must not end this rank
         self._save(trainer, step_file=step_file)
+        if signum:
+            self._finish_async(trainer)  # stopping: the checkpoint named below is on disk first
         if signum and not _last_step(trainer):
             rank_zero_info(f"parallelkit: stopped on {signal.Signals(signum).name} after step {trainer.global_step}, "
                            f"checkpoint {self.last_model_path}; resume with ckpt_path=last.")
@@ -191,12 +248,21 @@ class PeriodicCheckpoint(Checkpoint):
         """``last.ckpt``, then the step checkpoint; then the oldest step checkpoints beyond ``save_top_k`` go."""
         from torch.distributed.checkpoint.api import CheckpointException
 
+        began = time.perf_counter()
+        self._finish_async(trainer)  # one save in flight at most: a save due before the previous one is written waits
         for logger in trainer.loggers:  # the rows of the steps this checkpoint holds are on disk before it is
             logger.save()
         step = trainer.global_step
         paths = [self.dirpath / LAST]
         if step_file and self.save_top_k != 0:
             paths.append(self.dirpath / f"epoch={trainer.current_epoch}-step={step}.ckpt")
+        if self._writer is not None:
+            record = self._writer.start(trainer, paths)  # returns once staged; written in the background
+            self._saved_step, self._saved_at = step, time.monotonic()
+            # stall: the wait for the previous save, the loggers and the staging; write: on disk after staging began
+            self.save_records.append({"step": step, "began": began, "stall_s": time.perf_counter() - began, "dump_s": record.dump_s,
+                                      "stage_s": record.stall_s - record.dump_s, "write_s": None, "async": True})
+            return
         for path in paths:
             try:
                 trainer.save_checkpoint(path, weights_only=False)
@@ -208,7 +274,40 @@ class PeriodicCheckpoint(Checkpoint):
                 raise self._write_failed(trainer, path, err) from None
         self.last_model_path = str(paths[0])
         self._saved_step, self._saved_at = step, time.monotonic()
+        self._written_step = step
+        elapsed = time.perf_counter() - began
+        self.save_records.append({"step": step, "began": began, "stall_s": elapsed, "write_s": elapsed, "async": False})
         self._prune(trainer)
+
+    def _finish_async(self, trainer: Any) -> None:
+        """Wait for the background save in flight, if any; every rank learns whether some rank's write failed (one
+        tiny all-reduce: the ranks call this at the same step) and raises :class:`WriteFailed` if one did."""
+        if self._writer is None or not self._writer.in_flight:
+            return
+        record = self._writer.wait()
+        failed = record.error is not None
+        if trainer.world_size > 1:
+            from parallelkit.callbacks.run_summary import _global_max
+
+            mine = torch.tensor([float(failed)], dtype=torch.float64, device=trainer.strategy.root_device)
+            failed_somewhere = bool(_global_max(trainer.strategy, mine).item())
+        else:
+            failed_somewhere = failed
+        if not failed_somewhere:
+            self._completed(trainer, record, prune=True)
+            return
+        path = record.paths[0]
+        if failed:
+            raise self._write_failed(trainer, path, record.error, step=record.step) from None
+        raise WriteFailed(f"could not write the checkpoint {path} at step {record.step}: another rank's write failed (it says why).",
+                          report=False)
+
+    def _completed(self, trainer: Any, record: Any, prune: bool) -> None:
+        self.last_model_path = str(record.paths[0])
+        self._written_step = record.step
+        self.save_records[-1]["write_s"] = record.write_s
+        if prune:
+            self._prune(trainer)
 
     def _prune(self, trainer: Any) -> None:
         if self.save_top_k < 0:
@@ -223,7 +322,8 @@ class PeriodicCheckpoint(Checkpoint):
         for name in trainer.strategy.broadcast(names) or []:
             trainer.strategy.remove_checkpoint(self.dirpath / name)
 
-    def _write_failed(self, trainer: Any, path: Path, err: BaseException) -> WriteFailed:
+    def _write_failed(self, trainer: Any, path: Path, err: BaseException, step: int | None = None) -> WriteFailed:
+        step = trainer.global_step if step is None else step
         failures = getattr(err, "failures", None)  # CheckpointException: {rank: (exception, traceback)}
         if failures:
             what = "; ".join(f"rank {rank}: {_reason(failure)}" for rank, failure in sorted(failures.items()))
@@ -231,10 +331,10 @@ class PeriodicCheckpoint(Checkpoint):
         else:
             what = f"rank {trainer.global_rank}: {_reason(err)}"
             report = True
-        previous = (f"{self.dirpath / LAST} (step {self._saved_step})" if (self.dirpath / LAST).exists()
+        previous = (f"{self.dirpath / LAST} (step {self._written_step})" if (self.dirpath / LAST).exists()
                     else "there is none yet: this run had written no checkpoint")
         return WriteFailed(
-            f"could not write the checkpoint {path} at step {trainer.global_step} ({what}). Training stopped; the previous "
+            f"could not write the checkpoint {path} at step {step} ({what}). Training stopped; the previous "
             f"checkpoint is intact: {previous}. Free space on that file system (or point hydra.run.dir elsewhere), then go "
             "on with ckpt_path=last.",
             report=report,

@@ -4,7 +4,8 @@
 ``.hydra/config.yaml`` when it sits in a run directory), the step and epoch, its tensors with shape, dtype and
 bytes, and what it can be loaded into. It reads shapes only: no tensor data.
 
-``convert`` rewrites a checkpoint tensor by tensor (peak memory: the largest tensor plus the non-tensor state) into
+``convert`` rewrites a checkpoint tensor by tensor (peak memory: the largest tensor plus the non-tensor state; a
+DeepSpeed directory is read whole, its partitions being flat buffers with a piece of every parameter) into
 the form a strategy writes: ``strategy=single`` or ``ddp`` (also ``zero`` stage 1/2) → one file; ``strategy=tp``,
 ``pp``, ``zero`` stage 3, ``hybrid4d`` → a sharded directory. A sharded directory holds full tensors per name, so
 any degree and device count loads it (DCP reads each rank's slice): ``trainer.devices``/degrees need no conversion.
@@ -17,19 +18,17 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from parallelkit.checkpoint.sources import Checkpoint, open_checkpoint
+from parallelkit.checkpoint.sources import Checkpoint, deepspeed_as_canonical, open_checkpoint
 from parallelkit.errors import ConfigError
 
 EXIT_CONFIG_ERROR = 2
 ONE_FILE = ("single", "ddp", "ddp_fp16", "auto")
 SHARDED = ("tp", "pp", "zero", "hybrid4d", "moe")
 #: what a continuation (``ckpt_path=``) accepts, as tests/integration/test_layout_change_resume.py and
-#: test_context_parallel_train.py check; DeepSpeed's own directory is the exception (see NOT_YET).
-LOADS_INTO = "single, ddp, zero stage 1/2/3, tp, pp, hybrid4d (incl. context parallel), at any device count and degrees"
-NOT_YET_FROM_DEEPSPEED = ("other strategies and convert: not yet; `python -m parallelkit.export` reads its weights, "
-                          "without the optimizer state")
-NOT_YET = ("deepspeed: not yet (strategy=deepspeed loads only its own <tag>/*model_states.pt directories, "
-           "and a DeepSpeed directory is read by no other strategy)")
+#: test_context_parallel_train.py check, from every kind of checkpoint (one file, sharded directory, DeepSpeed's).
+LOADS_INTO = ("single, ddp, zero stage 1/2/3, tp, pp, hybrid4d (incl. context parallel), deepspeed stage 1/2/3, "
+              "at any device count and degrees")
+NOT_YET = "deepspeed stage 0 or with strategy.offload=params: from its own DeepSpeed directories only"
 
 
 def describe_layout(ckpt: Checkpoint) -> dict[str, Any]:
@@ -100,11 +99,8 @@ def inspect(path: str | Path, show_all: bool = False, out=sys.stdout) -> Checkpo
         largest = max(tensors.items(), key=lambda kv: kv[1].nbytes, default=None)
         if largest:
             print(f"  largest: {largest[0]} {list(largest[1].shape)} ({_size(largest[1].nbytes)}); --all lists every tensor", file=out)
-    if ckpt.kind == "deepspeed":
-        print(f"loads into: strategy=deepspeed only (its ZeRO partitions are flat fp32 buffers per rank; {NOT_YET_FROM_DEEPSPEED})", file=out)
-    else:
-        print(f"loads into: {LOADS_INTO} (ckpt_path=...; no conversion needed)", file=out)
-        print(f"            {NOT_YET}", file=out)
+    print(f"loads into: {LOADS_INTO} (ckpt_path=...; no conversion needed)", file=out)
+    print(f"            not into: {NOT_YET}", file=out)
     return ckpt
 
 
@@ -124,7 +120,8 @@ def target_form(overrides: list[str]) -> str:
     if strategy in SHARDED:
         return "sharded"
     if strategy == "deepspeed":
-        raise ConfigError(f"strategy=deepspeed: {NOT_YET}. Convert to strategy=single or strategy=zero instead.")
+        raise ConfigError("convert writes no DeepSpeed directories: strategy=deepspeed (stage 1-3) continues from any checkpoint as it is "
+                          "(ckpt_path=...). To convert, name strategy=single or strategy=zero.")
     raise ConfigError(f"strategy={strategy} is not a strategy convert writes for; use one of {', '.join(ONE_FILE + SHARDED)}.")
 
 
@@ -139,9 +136,7 @@ def convert(path: str | Path, out: str | Path, overrides: list[str]) -> tuple[Pa
         raise ConfigError(f"{out.parent} is not a directory: create it first, or give OUT inside an existing directory.")
     ckpt = open_checkpoint(path)
     if ckpt.kind == "deepspeed":
-        raise ConfigError(f"{path} is a DeepSpeed checkpoint: converting it is not yet supported (its ZeRO partitions are flat fp32 buffers "
-                          f"per rank that would have to be split back into each parameter's Adam state); {NOT_YET_FROM_DEEPSPEED}. "
-                          "Continue it with strategy=deepspeed.")
+        ckpt = deepspeed_as_canonical(ckpt)  # read whole: its partitions are flat buffers with a piece of every parameter
     return (write_file(ckpt, out) if form == "file" else write_sharded(ckpt, out)), form
 
 

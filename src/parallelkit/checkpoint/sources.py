@@ -105,6 +105,8 @@ class _LazyUnpickler(pickle.Unpickler):
             return self._rebuild
         if (module, name) == ("torch._utils", "_rebuild_parameter"):
             return lambda data, requires_grad, hooks, *rest: data
+        if (module, name) == ("torch._tensor", "_rebuild_from_type_v2"):  # a Parameter (DeepSpeed stage 3's flat groups)
+            return lambda func, new_type, args, state: func(*args)
         if (module not in ("builtins", "__builtin__") and module.split(".")[0] not in _TRUSTED) or (module in ("builtins", "__builtin__") and name not in _BUILTINS):
             raise pickle.UnpicklingError(f"the checkpoint holds a {module}.{name}, a type outside {_TRUSTED}")
         return super().find_class(module, name)
@@ -168,6 +170,23 @@ def _open_deepspeed(path: Path) -> Checkpoint:
                 "degrees": states.get("checkpoint_parallel_dimensions")}
     meta = {k: v for k, v in states.items() if k in ("epoch", "global_step", "loops", "callbacks", "lr_schedulers") or k[:1].isupper()}
     return Checkpoint(path, "deepspeed", model, [], meta, evidence, others)
+
+
+def deepspeed_as_canonical(ckpt: Checkpoint) -> Checkpoint:
+    """A DeepSpeed checkpoint's canonical state (parameters and Adam's state by name), for ``convert``. Read whole, not
+    lazily: each ZeRO partition is one flat buffer holding a piece of every parameter, so peak memory is the training
+    state (:func:`parallelkit.distributed.deepspeed_checkpoint.load_deepspeed_unsharded`)."""
+    from parallelkit.distributed.deepspeed_checkpoint import load_deepspeed_unsharded
+
+    def held(t: torch.Tensor) -> LazyTensor:
+        return LazyTensor(tuple(t.shape), t.dtype, lambda: t)
+
+    state = load_deepspeed_unsharded(ckpt.path)
+    model = {n: held(t) for n, t in state.pop(STATE_DICT).items()}
+    opt = state.pop("optimizer_0")
+    optimizers = [{"state": {n: {k: held(v) if isinstance(v, torch.Tensor) else v for k, v in e.items()} for n, e in opt["state"].items()},
+                   "param_groups": opt["param_groups"]}]
+    return Checkpoint(ckpt.path, "deepspeed", model, optimizers, state, ckpt.evidence)
 
 
 def _collect(value: Any, prefix: str, out: dict[str, LazyTensor]) -> None:

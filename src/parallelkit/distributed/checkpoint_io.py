@@ -26,10 +26,14 @@ def is_sharded_checkpoint(path: str | Path) -> bool:
 def load_unsharded(path: str | Path) -> dict[str, Any]:
     """The whole checkpoint in this process: ``state_dict``, the optimizer states, loops, callbacks...
 
-    For a sharded directory the optimizer states come back as ``optimizer_0, optimizer_1, ...`` in the
-    FQN layout; for a file, as Lightning's ``optimizer_states`` list in the index layout.
+    For a sharded directory (and a DeepSpeed one) the optimizer states come back as ``optimizer_0, optimizer_1, ...``
+    in the FQN layout; for a file, as Lightning's ``optimizer_states`` list in the index layout.
     """
+    from parallelkit.distributed.deepspeed_checkpoint import is_deepspeed_checkpoint, load_deepspeed_unsharded
+
     path = Path(path)
+    if is_deepspeed_checkpoint(path):
+        return load_deepspeed_unsharded(path)  # optimizer states as a sharded directory's: FQN layout
     if not is_sharded_checkpoint(path):
         return torch.load(path, map_location="cpu", weights_only=False)
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
@@ -102,10 +106,14 @@ def check_compatible(path: str | Path, expected: dict[str, torch.Size]) -> None:
     the shapes of the model about to be trained (``expected``: name → shape, full/unsharded)."""
     from parallelkit.errors import ConfigError
 
+    from parallelkit.distributed.deepspeed_checkpoint import deepspeed_param_shapes, is_deepspeed_checkpoint
+
     path = Path(path)
     if not path.exists():
         raise ConfigError(f"ckpt_path={path} does not exist. Give a checkpoint file or directory (e.g. outputs/RUN/checkpoints/last.ckpt), or ckpt_path=last.")
-    if path.is_dir():
+    if is_deepspeed_checkpoint(path):
+        found = deepspeed_param_shapes(path)
+    elif path.is_dir():
         if not (path / META_FILE).is_file():
             raise ConfigError(f"ckpt_path={path} is an incomplete sharded checkpoint (no {META_FILE}, which is written last): its writer died. Use an earlier checkpoint.")
         try:

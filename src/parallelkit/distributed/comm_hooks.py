@@ -107,6 +107,7 @@ class CompressionState:
     stats: Optional[CommStats] = None
     dense_bytes: float = 0.0  # what a plain all-reduce of the same buckets would have sent (same backend)
     buckets: int = 0
+    layout: Any = None  # powersgd: a PowerSGDLayout, which keeps its per-bucket state in step with DDP's buckets
 
 
 def compression_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -117,6 +118,8 @@ def compression_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.
     state.buckets += 1
     if state.method != "powersgd":
         return state.inner(state.inner_state, bucket)
+    if state.layout is not None:
+        state.layout.before_hook(state.inner_state, bucket)
     # PowerSGD issues its later all-reduces from the future's callbacks, after this call returned.
     return counting_until(lambda: state.inner(state.inner_state, bucket), state.stats, POWERSGD_ALLREDUCE,
                           group=state.process_group)
@@ -146,7 +149,10 @@ def build_compression_hook(method: str, process_group: Any, stats: Optional[Comm
             powerSGD_hook,
         )
 
+        from parallelkit.distributed.powersgd_state import PowerSGDLayout
+
         inner, inner_state = powerSGD_hook, PowerSGDState(process_group=process_group, **powersgd)
+        return compression_hook, CompressionState(method, inner, inner_state, process_group, stats, layout=PowerSGDLayout())
     else:
         raise ValueError(f"unknown compression method {method!r}; expected one of {COMPRESSION_METHODS}")
     return compression_hook, CompressionState(method, inner, inner_state, process_group, stats)

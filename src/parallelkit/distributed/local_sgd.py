@@ -118,6 +118,10 @@ class LocalSGD:
     def before_step(self, step: int) -> None:
         self.state.sync_grads = not self.is_local(step)
 
+    def due(self, step: int) -> bool:
+        """Whether the period ends with optimizer step ``step`` (0-based)."""
+        return self.is_local(step) and step + 1 - self.last_sync >= self.period
+
     def after_step(self, step: int, loss: float, force: bool = False) -> bool:
         """After optimizer step ``step`` (0-based): average if the period is over (or ``force``, e.g. at
         the last step, so the run ends with one model). Returns whether it averaged."""
@@ -125,17 +129,21 @@ class LocalSGD:
             return False
         self.period_loss_sum += float(loss)
         self.period_steps += 1
-        if step + 1 - self.last_sync < self.period and not force:
+        if not (force or self.due(step)):
             return False
+        self.sync(step)
+        return True
+
+    def sync(self, step: int) -> None:
+        """Average the parameters now, after optimizer step ``step``, whether or not the period is over."""
         mean_loss = average_parameters(self.params, self.state.process_group, self.state.stats,
-                                       extra=torch.tensor([self.period_loss_sum / self.period_steps]))
+                                       extra=torch.tensor([self.period_loss_sum / max(self.period_steps, 1)]))
         self.sync_steps.append(step)
         self.periods.append(self.period)
         self.last_sync = step + 1
         self.period_loss_sum, self.period_steps = 0.0, 0
         if self.adaptive:
             self._adapt(float(mean_loss[0]))
-        return True
 
     def _adapt(self, loss: float) -> None:
         if self.initial_loss is None:
@@ -147,8 +155,10 @@ class LocalSGD:
         self.period = min(self.max_period, max(self.period, grown))
 
     def state_dict(self) -> dict:
+        """The schedule, the same on every rank. This rank's own ``period_loss_sum`` (the adaptive rule's running
+        loss) is not in it: it differs between ranks, and is saved per replica (``callbacks.local_sgd``)."""
         return {"period": self.period, "last_sync": self.last_sync, "initial_loss": self.initial_loss,
-                "sync_steps": list(self.sync_steps), "periods": list(self.periods)}
+                "sync_steps": list(self.sync_steps), "periods": list(self.periods), "period_steps": self.period_steps}
 
     def load_state_dict(self, state: dict) -> None:
         self.period = state["period"]
@@ -156,6 +166,7 @@ class LocalSGD:
         self.initial_loss = state["initial_loss"]
         self.sync_steps = list(state["sync_steps"])
         self.periods = list(state["periods"])
+        self.period_steps = state.get("period_steps", 0)  # absent from checkpoints written before it was saved
 
 
 @torch.no_grad()

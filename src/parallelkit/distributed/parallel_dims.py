@@ -115,8 +115,13 @@ class ParallelDims:
         return cls(world_size=None, dp=dp, sharding=sharding, tp=tp, pp=pp, ep=ep, cp=cp, mesh_order=tuple(mesh_order))
 
     def resolve(self, world_size: int) -> ParallelDims:
-        """These degrees for ``world_size`` processes (a request's ``-1`` resolved), validated."""
-        return type(self).from_degrees(world_size, **self.degrees, ep=self.ep, mesh_order=self.mesh_order)
+        """These degrees for ``world_size`` processes (a request's ``-1`` resolved), validated.
+
+        Under torchrun an explicit ``dp`` that does not fit follows the world size (an elastic job that shrank or
+        grew; :func:`parallelkit.distributed.elastic.elastic_degrees`)."""
+        from parallelkit.distributed.elastic import elastic_degrees
+
+        return type(self).from_degrees(world_size, **elastic_degrees(self.degrees, world_size), ep=self.ep, mesh_order=self.mesh_order)
 
     @property
     def is_resolved(self) -> bool:

@@ -3,9 +3,11 @@
 - **compute** per layer and micro-batch: every GEMM at its per-rank shape (``tp`` splits heads and MLP columns;
   ``b·s`` rows) timed by the profile's roofline (:meth:`Hardware.gemm_time`: matmul efficiency falls for small or
   thin GEMMs), backward = twice the forward GEMMs, plus the memory-bound work (norms, activation functions,
-  softmax, residuals, dropout: the bytes they read and write at the memory bandwidth, backward twice forward).
+  softmax, residuals, dropout: the bytes they read and write at the memory bandwidth, backward twice forward; op by
+  op where the runtime runs them unfused, ``Runtime.unfused_elementwise``: :mod:`~parallelkit.planner.eager_ops`).
   ``recompute=full`` runs each layer's forward again before its backward (its tp collectives too);
-  ``selective`` the attention core (dense attention; fused attention recomputes nothing extra). The last stage
+  ``selective`` the attention core (dense attention; fused attention recomputes nothing extra); ``selective_op``
+  torchtitan's policy: every second matmul of the block and its memory-bound forward (:mod:`.selective_op`). The last stage
   adds the output layer and the loss, the first the embedding.
 - **tensor parallel**: 2 all-reduces forward and 2 backward per layer on the activations (sequence parallel: each
   a reduce-scatter + an all-gather, the same bytes on NCCL, timed as the profile times those two operations),
@@ -25,23 +27,16 @@
   and the last stage each hold the embedding and sum its gradient once per step, after the pipeline's last backward
   (Megatron's embedding group: one all-reduce of ``V·h/tp`` gradients between two ranks).
 - **context parallel** (``cp``): each rank runs ``s/cp`` tokens of every sequence (GEMM rows, memory-bound work, tp
-  collectives, pipeline sends and the head all ÷ cp). Ring attention computes ``2·cp`` blocks of ``(s/2cp)²``
-  (``2·cp + 1`` for dense kernels, which compute the diagonal blocks whole) while the keys and values, one buffer of
-  ``2·|k_local|`` bytes, hop to the next rank: ``cp − 1`` hops forward, ``cp − 1`` of them and ``cp`` of their
-  gradients backward — ``(3·cp − 2)·2·|k_local|`` bytes per layer in fp32, the gradients' ``cp`` hops in fp32 also
-  under bf16 (``context_parallel_attention.ring_payload_bytes``).
-  Each hop overlaps one ring step's block compute; exposed is what exceeds it, and the last gradient hop, which has
-  nothing left to hide behind. All-to-all (Ulysses) attention runs the whole sequence on ``heads/cp`` heads between 4
-  all-to-alls forward (q, k, v, the output) and 4 backward of ``(cp − 1)/cp`` of each, in line.
-- **data parallel** gradient all-reduce once per step (in 25 MiB buckets) over ``dp × cp`` (cp ranks hold the same
-  parameters and saw other tokens); with sharding, FSDP2 shards over ``sharding × cp``; **sharding** (ZeRO-3 / FSDP2)
-  all-gathers per micro-step (forward, and backward again when resharding after forward, but the root unit once) and reduce-scatters (per
-  micro-step without a pipeline, once after the last micro-batch with one), one collective per unit (each block and
-  the rest of the model), HSDP's all-reduce of the shards over ``dp``. Overlap with
-  backward is the runtime's (:class:`~parallelkit.planner.workload.Runtime`): overlapped communication costs
-  only what exceeds the compute it hides behind, and at least one unit's share.
-- **optimizer step**: memory-bound over the rank's (sharded) state, plus the profile's per-step framework overhead
-  (the training loop's own work, measured by ``--calibrate``; 0 in the GPU profiles).
+  collectives, pipeline sends and the head all ÷ cp); ring attention computes ``2·cp`` blocks of ``(s/2cp)²``
+  (``2·cp + 1`` for dense kernels); its hops or all-to-alls: :mod:`~parallelkit.planner.cost_context_parallel`.
+- **data parallel and sharding**: :mod:`~parallelkit.planner.cost_gradients` (the all-reduce, FSDP's gathers and
+  reduce-scatters). Overlap with backward is the runtime's (:class:`~parallelkit.planner.workload.Runtime`):
+  overlapped communication costs only what exceeds the compute it hides behind, and at least one unit's share.
+- **optimizer step**: memory-bound over the rank's (sharded) state.
+- **host time**: the profile's host seconds per step, micro-batch, block and step, block and micro-batch
+  (:meth:`~parallelkit.planner.hardware.Hardware.host_time`, measured by ``--calibrate``; 0 in the GPU profiles, where
+  the host runs ahead of the device), for the pipeline rank holding the most blocks; on the critical path (a CPU rank's
+  host is its compute) and in the shared-units bound below.
 - **DTensor dispatch**: tensor parallelism and FSDP2 run on DTensors, each operation of which costs the profile's
   ``dtensor_op_overhead`` on the host: per tp layer and micro-batch its 6 split linears × (1 forward + 2 backward)
   × 2 (the matmul and its redistribution) = 36 (+12 under full recompute); per FSDP2 unit and micro-step 8 (the
@@ -53,18 +48,20 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 from parallelkit.distributed.parallel_dims import CP, DP, EP, PP, SHARDING, TP
+from parallelkit.planner.cost_context_parallel import context_parallel_time, kv_local_bytes
+from parallelkit.planner.cost_gradients import data_parallel_time, finalize_grads_time, fsdp_copy_out_time
+from parallelkit.planner.eager_ops import EAGER_KERNELS, eager_block_bytes
 from parallelkit.planner.hardware import Hardware
-from parallelkit.planner.layout import Layout, Stages, crosses_nodes, group_crosses_nodes
+from parallelkit.planner.layout import Layout, Stages, crosses_nodes, group_crosses_nodes, members_per_node
 from parallelkit.planner.memory import RankMemory
+from parallelkit.planner.selective_op import recomputed_matmuls
 from parallelkit.planner.workload import Workload
 
 COMM_AXES = (DP, SHARDING, CP, TP, PP, EP)
 INLINE_AXES = (CP, TP, EP, PP)  # per micro-batch, on the critical path (cp: its exposed part, computed per layer)
-BUCKET_BYTES = 25 * 2**20  # parallelkit's GradAllReduce buckets (grad_sync.DEFAULT_BUCKET_MB)
 
 
 @dataclass
@@ -100,13 +97,15 @@ class StepTime:
     crosses: dict[str, bool] = field(default_factory=dict)
     optimizer: float = 0.0
     dispatch: float = 0.0  # DTensor operations' host overhead (tp, FSDP2)
+    fsdp_copy: float = 0.0  # FSDP2's all-gather copy-out on the compute stream (cost_gradients.fsdp_copy_out_time)
+    host: float = 0.0  # the host's own time per step (training loop, module calls, autograd; Hardware.host_time)
     shared_units_floor: float = 0.0  # the node-sharing bound, when it decides
     total: float = 0.0
     model_flops: float = 0.0
 
     def as_dict(self) -> dict[str, float]:
         out = {"compute": self.compute, "recompute": self.recompute, "bubble": self.bubble, "optimizer": self.optimizer,
-               "dispatch": self.dispatch,
+               "dispatch": self.dispatch, "host": self.host, "fsdp_copy": self.fsdp_copy,
                "shared_units_floor": self.shared_units_floor, "total": self.total}
         out.update({f"comm_{a}": v for a, v in self.comm.items()})
         return out
@@ -168,6 +167,11 @@ class CostModel:
         if shape.family.startswith("hf:") and shape.gated:  # rotary embeddings on q and k
             mem += 2 * e * rows * (a + kv) * d / tp
         kernels = 14 + (2 * shape.experts / max(ep, 1) if moe else 0)
+        if w.runtime.unfused_elementwise:  # op by op, as eager model code runs it (eager_ops.py)
+            mem += eager_block_bytes(shape, e, rows, tp, sp, mlp_rows, ffn_width) - replicated / (tp if sp else 1)
+            mem -= (3 if shape.gated else 2) * e * mlp_rows * ffn_width  # the fused activation function and rotary
+            mem -= 2 * e * rows * (a + kv) * d / tp if shape.family.startswith("hf:") and shape.gated else 0.0
+            kernels += EAGER_KERNELS - 14
         elementwise = hw.memory_time(mem, kernels)
         forward = proj + core + mlp + elementwise
         backward = 2 * (proj + core + mlp) + 2 * elementwise
@@ -180,7 +184,7 @@ class CostModel:
         tp_bytes = 4 * act * 2 * (tp - 1) / tp if tp > 1 else 0.0
         ep_one = hw.collective_time("all_to_all", act * shape.top_k, ep, ep_cross) if (moe and ep > 1) else 0.0
         ep_bytes = 4 * act * shape.top_k * (ep - 1) / ep if (moe and ep > 1) else 0.0
-        cp_f, cp_b, cp_bytes_f, cp_bytes_b = self._context_parallel(b, tp, cp, cp_mode, cp_cross, core)
+        cp_f, cp_b, cp_bytes_f, cp_bytes_b = context_parallel_time(w, hw, b, tp, cp, cp_mode, cp_cross, core)
         comm_f, comm_b = 2 * tp_one + 2 * ep_one + cp_f, 2 * tp_one + 2 * ep_one + cp_b
         recompute = 0.0
         passes = 2  # forward and backward; full recompute runs the forward's collectives once more
@@ -189,6 +193,11 @@ class CostModel:
             passes = 3
         elif w.recompute == "selective" and w.attention == "dense":
             recompute = core + hw.memory_time(2 * e * s * s * b * a / tp / cp, 2)
+        elif w.recompute == "selective_op":  # every second matmul and the memory-bound forward (selective_op.py)
+            matmuls = recomputed_matmuls(shape, tp, moe)
+            recompute = sum(gemm(rows * per_token, out, width, e, dtype) for per_token, out, width in matmuls) + elementwise
+            if w.attention == "dense" and not (cp > 1 and cp_mode == "ring"):  # the math kernel's scores are not saved
+                recompute += core
         flops = 3 * 2 * rows * (((a + 2 * kv) * d * h + a * d * h) / tp + (mats * f * h * (shape.top_k if moe else 1)) / (1 if moe else tp))
         flops += 3 * 2 * 2 * causal * s * s * d * heads / cp
         return LayerTimes(forward + comm_f, backward + comm_b, recompute, passes * 2 * tp_one, passes * 2 * ep_one, flops,
@@ -196,35 +205,8 @@ class CostModel:
                           cp_bytes=cp_bytes_f * (passes - 1) + cp_bytes_b)
 
     def kv_local_bytes(self, b: int, tp: int, cp: int) -> float:
-        """``|k_local|``: one rank's keys of one layer and micro-batch (its ``s/cp`` tokens, its ``kv_heads/tp`` heads)."""
-        w = self.w
-        return w.precision.activation * b * w.seq_len / cp * w.shape.kv_heads * w.shape.head_dim / tp
-
-    def _context_parallel(self, b: int, tp: int, cp: int, mode: str, cross: bool, core: float) -> tuple[float, float, float, float]:
-        """Exposed seconds (forward, backward) and bytes sent (forward, backward) of one layer's context parallelism."""
-        if cp == 1:
-            return 0.0, 0.0, 0.0, 0.0
-        hw, shape = self.hw, self.w.shape
-        k = self.kv_local_bytes(b, tp, cp)
-        if mode == "ring":
-            # One buffer of k and v per hop; a hop overlaps one ring step's blocks (core / cp forward, twice that
-            # backward). Backward sends the keys/values on and their gradients behind them: two messages per step,
-            # and the last gradient hop home after the last block, exposed.
-            # The gradients travel in fp32 (summed over the hops), twice a bf16 key's bytes.
-            g = k * 4 / self.w.precision.activation
-            hop, hop_g = hw.collective_time("p2p", 2 * k, 2, cross), hw.collective_time("p2p", 2 * g, 2, cross)
-            step_f, step_b = core / cp, 2 * core / cp
-            exposed_f = (cp - 1) * max(0.0, hop - step_f)
-            exposed_b = (cp - 1) * max(0.0, hop + hop_g - step_b) + hop_g
-            return exposed_f, exposed_b, (cp - 1) * 2 * k, (cp - 1) * 2 * k + cp * 2 * g
-        # Ulysses: q, k, v and the output each through one all-to-all forward, their gradients backward (key/value
-        # heads fewer than cp are repeated up to cp first).
-        q = k * shape.heads / shape.kv_heads
-        kv = k * max(1.0, cp / max(shape.kv_heads / tp, 1))
-        tensors = (q, kv, kv, q)
-        seconds = sum(hw.collective_time("all_to_all", x, cp, cross) for x in tensors)
-        sent = sum(tensors) * (cp - 1) / cp
-        return seconds, seconds, sent, sent
+        """``|k_local|`` (:func:`~parallelkit.planner.cost_context_parallel.kv_local_bytes`)."""
+        return kv_local_bytes(self.w, b, tp, cp)
 
     def head(self, b: int, tp: int, tp_cross: bool, cp: int = 1) -> tuple[float, float, float]:
         """(forward + backward seconds, exposed tp seconds, FLOPs) of the output layer and the loss (``s/cp`` tokens)."""
@@ -250,6 +232,9 @@ class CostModel:
         if layout.cp > 1:  # the gradient groups that take cp in (layout.replica_group, layout.shard_group)
             cross[DP] = cross[DP] if layout.sharding > 1 else group_crosses_nodes(layout.dims, (DP, SHARDING, CP), n)
             cross[SHARDING] = group_crosses_nodes(layout.dims, (SHARDING, CP), n) if layout.sharding > 1 else False
+        # Members of one gradient group on a node: a ring across nodes gets their share of the network.
+        dp_axes = (DP, SHARDING, CP) if layout.sharding == 1 else (DP,)
+        per_node = {DP: members_per_node(layout.dims, dp_axes, n), SHARDING: members_per_node(layout.dims, (SHARDING, CP), n)}
         b, m, tp, ep, cp = layout.micro_batch, layout.micro_steps, layout.tp, layout.ep, layout.cp
         v = layout.virtual_stages if layout.pp > 1 else 1
         out = StepTime(crosses=cross, comm=dict.fromkeys(COMM_AXES, 0.0), comm_bytes=dict.fromkeys(COMM_AXES, 0.0))
@@ -312,7 +297,7 @@ class CostModel:
         # Data-parallel and sharding collectives, per representative rank; the slowest decides.
         dp_time = sh_time = 0.0
         for i, mem in enumerate(memory):
-            dpt, sht, sent = self._data_parallel(layout, mem, cross)
+            dpt, sht, sent = data_parallel_time(w, hw, layout, mem, cross, per_node)
             dp_time, sh_time = max(dp_time, dpt), max(sh_time, sht)
             for axis, value in sent.items():
                 out.comm_bytes_by_rank[i][axis] += value
@@ -327,20 +312,24 @@ class CostModel:
         # partial gradients over tp, tied embeddings' gradient between the first and the last stage.
         finalize = dict.fromkeys((TP, PP), 0.0)
         for i in range(len(memory)):
-            times, sent = self._finalize_grads(layout, stages, i, cross)
+            times, sent = finalize_grads_time(w, hw, layout, stages, i, cross)
             for axis in (TP, PP):
                 finalize[axis] = max(finalize[axis], times[axis])
                 out.comm_bytes_by_rank[i][axis] += sent[axis]
         for axis in (TP, PP):
             out.comm[axis] += finalize[axis]
             out.comm_bytes[axis] = max(r[axis] for r in out.comm_bytes_by_rank)
-        out.optimizer = max(self._optimizer(mem) for mem in memory) + hw.step_overhead
+        out.optimizer = max(self._optimizer(mem) for mem in memory)
+        out.fsdp_copy = max(fsdp_copy_out_time(w, hw, layout, mem) for mem in memory)
+        # Host time: the rank holding the most blocks; a pipeline rank runs m micro-batches through each of its chunks.
+        out.host = max(hw.host_time(len(layers), m) for layers in stages.layers)
         out.dispatch = max(self._dispatch(layout, layers, mem) for layers, mem in zip(stages.layers, memory))
-        critical = pipeline + exposed_dp + exposed_sh + finalize[TP] + finalize[PP] + out.optimizer + out.dispatch
+        critical = (pipeline + exposed_dp + exposed_sh + finalize[TP] + finalize[PP] + out.fsdp_copy + out.optimizer + out.host
+                    + out.dispatch)
         if hw.units_per_node < n:  # ranks share compute units: the node's busy time, spread over its units
             ranks_per_node = min(n, layout.world)
             mean_compute = sum(c * k for c, k in zip(compute_only, weights)) / total_weight
-            busy = (mean_compute * m + out.optimizer + out.dispatch) * ranks_per_node
+            busy = (mean_compute * m + out.fsdp_copy + out.optimizer + out.host + out.dispatch) * ranks_per_node
             floor = busy / hw.units_per_node + exposed_dp + exposed_sh + sum(out.comm[a] for a in INLINE_AXES)
             if floor > critical:
                 out.shared_units_floor = floor
@@ -348,67 +337,6 @@ class CostModel:
         out.total = critical
         out.model_flops = sum(f * k for f, k in zip(flops, weights)) / total_weight * m
         return out
-
-    def _data_parallel(self, layout: Layout, mem: RankMemory, cross: dict[str, bool]) -> tuple[float, float, dict[str, float]]:
-        """Seconds of one rank's dp and sharding collectives per step (before overlap), and the bytes it sends."""
-        hw, p = self.hw, self.w.precision
-        # cp ranks hold the same parameters: FSDP2 shards over sharding × cp, the all-reduce spans dp × cp.
-        dp, s, z = layout.replica_group, layout.shard_group, layout.zero_stage if layout.sharding > 1 else 0
-        dense, experts = mem.param_elements - mem.expert_elements, mem.expert_elements
-        sent = {DP: 0.0, SHARDING: 0.0}
-        dp_time = sh_time = 0.0
-        if s > 1:
-            # FSDP reduce-scatters every backward without a pipeline (ZeRO-1 once per step); a pipeline once.
-            reductions = layout.micro_steps if (layout.pp == 1 and z >= 2) else 1
-            # ZeRO-3 with reshard gathers each block in forward and again in backward, the root (embeddings, head)
-            # once: it stays gathered from forward into backward (FSDP2's root default).
-            twice = layout.reshard_after_forward and layout.pp == 1 and z >= 3
-            gathers = (2 - mem.root_elements / dense if twice and dense else 1) * (layout.micro_steps if (layout.pp == 1 and z >= 3) else 1)
-            grads, params = dense * p.grad, dense * p.param
-            # ZeRO-3 (FSDP2) gathers and reduces unit by unit (each block, then the rest): one collective per unit;
-            # ZeRO-1/2 reduce and gather the whole flat buffer.
-            units = max(1, round(mem.units)) if z >= 3 else 1
-            sh_time = reductions * units * hw.collective_time("reduce_scatter", grads / units, s, cross[SHARDING])
-            sh_time += gathers * units * hw.collective_time("all_gather", params / units, s, cross[SHARDING])
-            sent[SHARDING] = (reductions * grads + gathers * params) * (s - 1) / s
-            if dp > 1:  # HSDP: replicas all-reduce their shard, unit by unit
-                dp_time = reductions * units * hw.collective_time("all_reduce", grads / s / units, dp, cross[DP])
-                sent[DP] = reductions * 2 * grads / s * (dp - 1) / dp
-        elif dp > 1:
-            grads = dense * p.grad
-            buckets = max(1, math.ceil(grads / BUCKET_BYTES))
-            dp_time = buckets * hw.collective_time("all_reduce", grads / buckets, dp, cross[DP])
-            sent[DP] = 2 * grads * (dp - 1) / dp
-        if experts and layout.dp * layout.sharding * layout.cp > layout.ep:  # expert gradients: the ranks holding the same experts
-            g = layout.dp * layout.sharding * layout.cp // layout.ep
-            dp_time += hw.collective_time("all_reduce", experts * p.grad, g, cross[DP])
-            sent[DP] += 2 * experts * p.grad * (g - 1) / g
-        return dp_time, sh_time, sent
-
-    def _finalize_grads(self, layout: Layout, stages: Stages, i: int, cross: dict[str, bool]) -> tuple[dict[str, float], dict[str, float]]:
-        """Seconds and bytes of representative rank ``i``'s once-per-step gradient sums outside data parallelism."""
-        hw, shape, grad = self.hw, self.w.shape, self.w.precision.grad
-        times, sent = dict.fromkeys((TP, PP), 0.0), dict.fromkeys((TP, PP), 0.0)
-        tp = layout.tp
-        # Both run on the gradients in their parameters' layout: a rank's shard once ZeRO ≥ 2 has reduce-scattered.
-        shards = layout.shard_group if layout.sharding > 1 and layout.zero_stage >= 2 else 1
-        if layout.sequence_parallel:
-            # Parameters tensor parallelism leaves whole (norms, row-parallel biases) see only this rank's sequence
-            # shard: their gradients are partial sums, added over tp in one fused all-reduce per step.
-            n_moe = sum(1 for layer in stages.layers[i] if shape.is_moe(layer)) if shape.moe_layer_ids else 0
-            whole = (len(stages.layers[i]) - n_moe) * shape.dense_layer_replicated + n_moe * shape.moe_layer_replicated
-            whole += shape.last_extra if stages.last[i] else 0
-            whole /= shards
-            times[TP] = hw.collective_time("all_reduce", whole * grad, tp, cross[TP])
-            sent[TP] = 2 * whole * grad * (tp - 1) / tp
-        if shape.tied and layout.pp > 1 and stages.first[i] != stages.last[i]:
-            # Tied embeddings under a pipeline: the first stage's embedding and the last stage's copy (memory.py) sum
-            # their gradients once per step — Megatron's embedding group, two ranks of the pp group. (Under tp alone
-            # nothing extra: one vocabulary-split weight serves the lookup and the output layer on the same rank.)
-            embedding = shape.embed_params / tp / shards * grad
-            times[PP] = hw.collective_time("all_reduce", embedding, 2, cross[PP])
-            sent[PP] = embedding  # ring all-reduce over two ranks: 2·(2 − 1)/2 = 1× the buffer
-        return times, sent
 
     def _dispatch(self, layout: Layout, layers: list[int], mem: RankMemory) -> float:
         """Host seconds of the DTensor operations of tensor parallelism and FSDP2 (see the module docstring)."""

@@ -7,6 +7,15 @@ A profile says how fast one rank computes and how fast groups of ranks communica
   roofline: small or thin GEMMs are memory- or launch-bound), unless the profile measured that very shape.
 - **collectives**: per operation and group size, ``latency + bytes sent / bandwidth`` (measured by
   ``--calibrate``), else from the link figures: intra-node within a node, inter-node for a group spanning nodes.
+  ``inter_node.bandwidth`` is **per GPU**: the bytes/s one GPU's share of the node's network adapters moves (a DGX
+  A100's HDR adapter per GPU: 21.2 GB/s). A ring collective (all-reduce, all-gather, reduce-scatter) across nodes runs
+  one ring per adapter, each crossing the node boundary once, so its bus bandwidth is the **node aggregate** of the
+  group's members on the node: ``members per node × per-GPU`` (at most the intra-node bus bandwidth); nccl-tests
+  reports exactly that figure as ``busbw`` (84.8 GB/s for 4 HDR adapters per node, NVIDIA/nccl-tests#119). A
+  point-to-point send and an all-to-all move each GPU's own bytes through its own share: per GPU.
+- **host time**: seconds a rank's host spends per step, per micro-batch, per block and step and per block and
+  micro-batch besides the kernels' work (measured by ``--calibrate``; 0 in the GPU profiles, where the host runs ahead
+  of the device): :meth:`host_time`.
 - **compute units per node**: fewer than the ranks on a node means the ranks share them (CPU processes on
   fewer cores): a step then takes at least the node's total compute divided by the units.
 
@@ -26,6 +35,8 @@ from parallelkit.errors import ConfigError
 
 PROFILES = Path(__file__).parent / "profiles"
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")
+HOST_TERMS = ("step_overhead", "microbatch_overhead", "layer_step_overhead", "layer_overhead")  # host seconds (calibrated)
+RING_OPS = ("all_reduce", "all_gather", "reduce_scatter")  # one ring per network adapter across nodes
 
 
 @dataclass(frozen=True)
@@ -48,12 +59,17 @@ class Hardware:
         matmul_flops: achievable GEMM FLOP/s per compute dtype.
         memory_bandwidth: achievable bytes/s of memory-bound kernels.
         kernel_overhead: seconds every kernel costs besides its work (launch, dispatch).
-        step_overhead: seconds of framework work every rank does per optimizer step besides the model's kernels
-            (the training loop, optimizer bookkeeping, data loading; measured by ``--calibrate``).
+        step_overhead: host seconds every rank spends per optimizer step besides the model's kernels (the training
+            loop, optimizer bookkeeping, data loading; measured by ``--calibrate``; 0 in the GPU profiles, where the
+            host runs ahead of the device).
+        microbatch_overhead: host seconds per micro-batch besides the blocks (its loop, embedding, head, loss).
+        layer_step_overhead: host seconds per block held and step (per-parameter work: optimizer, hooks, clipping).
+        layer_overhead: host seconds per block and micro-batch (module calls, autograd, forward and backward).
         dtensor_op_overhead: extra seconds an operation on a DTensor (tensor parallel, FSDP2's sharded parameters)
             costs over the same operation on a plain tensor (dispatch; measured by ``--calibrate``; 0 in the GPU
             profiles, where it runs ahead of the device's work).
-        intra_node / inter_node: link figures.
+        intra_node / inter_node: link figures; ``inter_node.bandwidth`` per GPU (its share of the node's network
+            adapters), not the node's aggregate (see the module docstring).
         compute_units_per_node: independent compute units the node's ranks share (None: one per rank).
         collectives: ``{op: {group_size: [latency, bandwidth]}}`` measured inside a node.
         matmul_measured: ``{"m,n,k,dtype": seconds}`` measured GEMM times.
@@ -70,6 +86,9 @@ class Hardware:
     inter_node: Link
     kernel_overhead: float = 0.0
     step_overhead: float = 0.0
+    microbatch_overhead: float = 0.0
+    layer_step_overhead: float = 0.0
+    layer_overhead: float = 0.0
     dtensor_op_overhead: float = 0.0
     memory_reserved: float = 0.0
     compute_units_per_node: float | None = None
@@ -91,7 +110,8 @@ class Hardware:
             _positive(f"{name}.bandwidth", link.bandwidth)
             _non_negative(f"{name}.latency", link.latency)
         _non_negative("kernel_overhead", self.kernel_overhead)
-        _non_negative("step_overhead", self.step_overhead)
+        for name in HOST_TERMS:
+            _non_negative(name, getattr(self, name))
         _non_negative("dtensor_op_overhead", self.dtensor_op_overhead)
         _non_negative("memory_reserved", self.memory_reserved)
         if self.memory_reserved >= self.memory_per_device:
@@ -129,12 +149,14 @@ class Hardware:
         """Seconds of memory-bound work moving ``nbytes`` in ``kernels`` kernels."""
         return nbytes / self.memory_bandwidth + kernels * self.kernel_overhead
 
-    def collective_time(self, op: str, nbytes: float, group: int, across_nodes: bool) -> float:
+    def collective_time(self, op: str, nbytes: float, group: int, across_nodes: bool, per_node: int = 1) -> float:
         """Seconds of one collective on a buffer of ``nbytes`` (the full tensor; p2p: the message) over ``group`` ranks.
 
         Bytes each rank sends (ring): all-reduce ``2(g−1)/g·n``, all-gather / reduce-scatter / all-to-all ``(g−1)/g·n``,
         p2p ``n``. A measured fit for ``(op, g)`` inside a node is used as is; otherwise the link's latency counts
-        ``1 + log2 g`` times (tree-like start-up) and its bandwidth carries the bytes.
+        ``1 + log2 g`` times (tree-like start-up) and its bandwidth carries the bytes. Across nodes, a ring operation of
+        a group with ``per_node`` members on each node gets ``per_node`` GPUs' share of the network (the module
+        docstring), at most the intra-node bus bandwidth.
         """
         if group <= 1 or nbytes <= 0:
             return 0.0
@@ -144,7 +166,18 @@ class Hardware:
             latency, bandwidth = fit
             return latency + sent / bandwidth
         link = self.inter_node if across_nodes else self.intra_node
-        return link.latency * (1 + math.log2(group)) + sent / link.bandwidth
+        bandwidth = self.ring_bandwidth(per_node) if across_nodes and op in RING_OPS else link.bandwidth
+        return link.latency * (1 + math.log2(group)) + sent / bandwidth
+
+    def ring_bandwidth(self, per_node: int) -> float:
+        """Bus bandwidth of a ring collective across nodes whose group has ``per_node`` members on each node: their
+        share of the node's network adapters (``per_node × inter_node.bandwidth``), at most the intra-node figure."""
+        return min(max(1, per_node) * self.inter_node.bandwidth, max(self.intra_node.bandwidth, self.inter_node.bandwidth))
+
+    def host_time(self, blocks: int, microbatches: int) -> float:
+        """Host seconds of one step of a rank holding ``blocks`` blocks and running ``microbatches`` micro-batches."""
+        return (self.step_overhead + microbatches * self.microbatch_overhead
+                + blocks * (self.layer_step_overhead + microbatches * self.layer_overhead))
 
     def with_overrides(self, **values: Any) -> Hardware:
         return replace(self, **values)
@@ -194,7 +227,7 @@ def from_dict(data: dict[str, Any], where: str) -> Hardware:
         for name in ("intra_node", "inter_node"):
             values[name] = Link(float(values[name]["bandwidth"]), float(values[name]["latency"]))
         values["matmul_flops"] = {str(k): float(v) for k, v in dict(values["matmul_flops"]).items()}
-        for name in ("memory_per_device", "memory_bandwidth", "kernel_overhead", "step_overhead", "dtensor_op_overhead", "memory_reserved"):
+        for name in ("memory_per_device", "memory_bandwidth", "kernel_overhead", *HOST_TERMS, "dtensor_op_overhead", "memory_reserved"):
             if name in values:
                 values[name] = float(values[name])
         values["collectives"] = {str(op): {int(g): (float(v[0]), float(v[1])) for g, v in dict(by_g).items()}

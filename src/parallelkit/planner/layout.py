@@ -184,6 +184,21 @@ def group_crosses_nodes(dims: ParallelDims, axes: tuple[str, ...], devices_per_n
     return devices_per_node % (stride * span) != 0
 
 
+def members_per_node(dims: ParallelDims, axes: tuple[str, ...], devices_per_node: int) -> int:
+    """How many ranks of one group of the ``axes`` (flattened together, adjacent in ``mesh_order``) share a node: the
+    group's ranks are ``stride`` apart (the product of the degrees inside them), so a node holds
+    ``devices_per_node / stride`` of them, at most the group, at least one. A ring collective of a group spanning nodes
+    gets that many GPUs' share of the network (:meth:`~parallelkit.planner.hardware.Hardware.collective_time`)."""
+    order = list(dims.mesh_order)
+    active = [a for a in axes if getattr(dims, a) > 1]
+    if not active:
+        return 1
+    size = math.prod(getattr(dims, a) for a in active)
+    inner = max(order.index(a) for a in active)
+    stride = math.prod(getattr(dims, a) for a in order[inner + 1:])
+    return max(1, min(size, devices_per_node // stride))
+
+
 # ------------------------------------------------------------------------------------ pipeline geometry
 @dataclass
 class Stages:

@@ -13,7 +13,9 @@ out for their GPT (16-bit, dropout, dense attention): ``s·b·h·(10 + 24/t + 5�
 parallelism ``s·b·h·(34/t + 5·a·s/(h·t))``. The same count generalises to grouped-query attention (K and V of
 ``kv_heads``), gated MLPs (two ``ffn``-wide inputs), no dropout (no masks), fp32 activations, and fused
 (flash) attention, which keeps the output and its log-sum-exp instead of the ``a·s²`` score matrices.
-Recompute: ``selective`` drops the attention-score tensors (what Korthikanti et al. recompute); ``full`` keeps each
+Recompute: ``selective`` drops the attention-score tensors (what Korthikanti et al. recompute); ``selective_op``
+keeps what torchtitan's selective op checkpointing saves (:mod:`~parallelkit.planner.selective_op`: the block's input,
+every other matmul's output, the fused attention's output), and one layer's full set once; ``full`` keeps each
 layer's input (``2·s·b·h``, ``/t`` with sequence parallelism) for every layer and micro-batch in flight, and the
 full set of one layer once — the layer being recomputed.
 
@@ -37,6 +39,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from parallelkit.planner.layout import Layout, Stages
+from parallelkit.planner.selective_op import saved_bytes_per_token
 from parallelkit.planner.shapes import ModelShape
 from parallelkit.planner.workload import Workload
 
@@ -51,6 +54,8 @@ def layer_activation_bytes(w: Workload, micro_batch: int, tp: int, *, moe: bool 
     if h == 0:
         return 0.0
     sp = sequence_parallel
+    if recompute == "selective_op" and (w.attention == "flash" or (cp > 1 and cp_mode == "ring")):
+        return s * b * saved_bytes_per_token(shape, w.precision.activation, tp, moe, sp)
     sbh = s * b * h
     mask = 1 if shape.dropout else 0  # dropout masks: one byte per element
     # Stored whole on every tp rank unless sequence parallel splits them: the two norm inputs, the attention and
@@ -171,6 +176,8 @@ def rank_memory(w: Workload, layout: Layout, stages: Stages, i: int) -> RankMemo
     else:
         per_layer = sum(count * layer_activation_bytes(w, b, layout.tp, moe=moe, **each) for count, moe in kinds if count) / max(len(layers), 1)
         activations = stages.in_flight_layers[i] * per_layer
+        if w.recompute == "selective_op":  # the layer being recomputed holds its full set while its backward runs
+            activations += max((layer_activation_bytes(w, b, layout.tp, moe=moe, recompute="none", **each) for count, moe in kinds if count), default=0.0)
     if layout.pp > 1 and not w.runtime.deallocate_stage_outputs:  # each in-flight chunk's output, for its backward
         activations += stages.in_flight_outputs[i] * between
     if stages.first[i]:  # the embedding's output, kept for every micro-batch in flight

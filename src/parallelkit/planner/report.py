@@ -9,7 +9,7 @@ from typing import Any
 from parallelkit.distributed.parallel_dims import CP, DP, EP, PP, SHARDING, TP
 from parallelkit.planner.search import AutoPlan, Candidate, gib
 
-TERMS = ("compute", "recompute", "bubble", "comm_dp", "comm_sharding", "comm_cp", "comm_tp", "comm_pp", "comm_ep", "optimizer")
+TERMS = ("compute", "recompute", "bubble", "comm_dp", "comm_sharding", "comm_cp", "comm_tp", "comm_pp", "comm_ep", "optimizer", "host")
 
 
 def best_per_layout(plan: AutoPlan) -> list[Candidate]:
@@ -54,7 +54,7 @@ def format_ranking(plan: AutoPlan, top: int = 8) -> str:
         f"({shape.family}, {shape.layers} layers × {shape.hidden}, vocabulary {shape.vocab:,}{', tied' if shape.tied else ''}), "
         f"seq {w.seq_len}, batch {w.global_batch if w.global_batch is not None else str(w.per_rank_batch) + '/rank'}, "
         f"precision {w.precision.name}, recompute={w.recompute}; {gib(hw.usable_memory)} usable per device",
-        " # | dp sh cp tp pp ep | micro×m (sp: seq. parallel, uly: cp all-to-all) | memory/rank (state+gathered+act) | compute | recomp | bubble | comm ms dp / sh / cp / tp / pp / ep (* = across nodes) | optim | total ms | tok/s/dev | note",
+        " # | dp sh cp tp pp ep | micro×m (sp: seq. parallel, uly: cp all-to-all) | memory/rank (state+gathered+act) | compute | recomp | bubble | comm ms dp / sh / cp / tp / pp / ep (* = across nodes) | optim+host | total ms | tok/s/dev | note",
     ]
     for i, c in enumerate(fitting + unfit, 1):
         lay, t = c.layout, c.time
@@ -64,7 +64,7 @@ def format_ranking(plan: AutoPlan, top: int = 8) -> str:
             note += (" " if note else "") + "(node's shared cores bound it)"
         mem = f"{gib(c.memory['total'])} ({gib(c.memory['state'])}+{gib(c.memory['gathered'])}+{gib(c.memory['activations'] + c.memory['logits'])})"
         lines.append(f"{i:2d} | {lay.dp:2d} {lay.sharding:2d} {lay.cp:2d} {lay.tp:2d} {lay.pp:2d} {lay.ep:2d} | {_cut(c):>26} | {mem:>33} | "
-                     f"{_ms(t.compute):>7} | {_ms(t.recompute):>6} | {_ms(t.bubble):>6} | {comm} | {_ms(t.optimizer):>5} | "
+                     f"{_ms(t.compute):>7} | {_ms(t.recompute):>6} | {_ms(t.bubble):>6} | {comm} | {_ms(t.optimizer + t.host):>5} | "
                      f"{_ms(t.total):>8} | {c.tokens_per_s_per_device:9.4g} | {note}")
     invalid = [c for c in layouts if c.invalid]
     if invalid:

@@ -1,14 +1,8 @@
 """The search: every layout of the world size that ``strategy=hybrid4d`` can run, every way to cut its batch, costed.
 
-**Degrees** ``dp × sharding × cp × tp × pp (× ep)`` = world, each a :class:`ParallelDims`. They are pruned before
-anything is costed (:func:`degree_problem`) for what no strategy can change: tp must divide the sizes the model's
-tensor-parallel plan splits (and each rank's ``s/cp`` tokens, under sequence parallelism), pp ≤ its blocks, ep its
-experts and ``dp × sharding``, ``dp × sharding`` the global batch, ``2·cp`` the sequence (context parallelism's
-load-balanced chunks; all-to-all attention also needs the heads left by tp to divide by cp); for what the model cannot
-do (no tensor-parallel plan, no pipeline cut, no sequence parallelism, no context-parallel plan:
-:class:`~parallelkit.planner.shapes.ModelShape`); and for tp or ep groups across nodes unless allowed (cp groups may
-span nodes: their ring hops overlap block compute, and Llama 3 ran cp 16 over 16 nodes). hybrid4d's own checks confirm the choice before training
-(:meth:`parallelkit.strategies.auto.AutoStrategy.resolve`).
+**Degrees** ``dp × sharding × cp × tp × pp (× ep)`` = world, each a :class:`ParallelDims`, pruned before anything is
+costed for what cannot run (:mod:`~parallelkit.planner.pruning`). hybrid4d's own checks confirm the choice before
+training (:meth:`parallelkit.strategies.auto.AutoStrategy.resolve`).
 
 **Sequence parallelism** (``SearchOptions.sequence_parallel``): fixed by ``strategy.sequence_parallel``, or, unset,
 both ways for every ``tp > 1`` the model allows it (:attr:`Layout.sequence_parallel` says which was chosen).
@@ -19,12 +13,8 @@ for every ``cp > 1`` and all-to-all (Ulysses) where the heads divide (:attr:`Lay
 one, the micro-batch count ``m`` (micro-batch ``B_r / m``) as the schedule allows (1F1B: ``m ≥ pp·v``;
 interleaved: whole rounds), and the stages per rank ``v`` for interleaved schedules. Each cut is a candidate.
 
-**Dominated cuts** are not costed: ``cp > 1`` with a micro-batch ``b`` sharing a factor ``g`` with ``cp`` runs what
-moving ``g`` of ``cp`` into data parallelism runs (``sharding × g`` or ``dp × g``: the same ranks and gradient groups)
-at micro-batch ``b/g`` — the same tokens per rank, the same GEMM and attention FLOPs, the same memory with fused or
-all-to-all attention — with a ring ``g`` times shorter. Context parallelism pays where the sequence is the last thing
-left to split. Nor are chunks shorter than :data:`MIN_CP_CHUNK` tokens searched (``cp ≤ s / 256``): a block smaller
-than a fused attention kernel's tile of query rows leaves the kernel mostly idle.
+**Dominated cuts** are not costed (:func:`~parallelkit.planner.pruning.dominated_by_less_cp`), nor context-parallel
+chunks shorter than :data:`~parallelkit.planner.pruning.MIN_CP_CHUNK` tokens.
 
 **Ranking**: fitting candidates by estimated step time (ties: less memory), then the rest by memory.
 """
@@ -35,70 +25,28 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from parallelkit.distributed.parallel_dims import DEFAULT_MESH_ORDER, EP, TP, ParallelDims
+from parallelkit.distributed.parallel_dims import EP, ParallelDims
 from parallelkit.errors import ConfigError
 from parallelkit.planner.cost_model import CostModel, StepTime
 from parallelkit.planner.hardware import Hardware
 from parallelkit.planner.layout import (
-    CP_MODES,
     MULTI_STAGE,
-    SCHEDULES,
     Layout,
-    crosses_nodes,
     pipeline_slots,
     pipeline_stages,
     representative_ranks,
 )
 from parallelkit.planner.memory import RankMemory, rank_memory
+from parallelkit.planner.pruning import (  # noqa: F401  (degree_problem, ulysses_problem: public here as before)
+    MIN_CP_CHUNK,
+    context_parallel_degrees,
+    degree_problem,
+    divisors,
+    dominated_by_less_cp,
+    ulysses_problem,
+)
+from parallelkit.planner.search_options import SearchOptions  # noqa: F401  (public here as before)
 from parallelkit.planner.workload import Workload
-
-
-@dataclass(frozen=True)
-class SearchOptions:
-    """What the search may vary and what it must respect.
-
-    Args:
-        schedule: the pipeline schedule (``strategy.schedule``).
-        virtual_stages: stages per rank for interleaved schedules; None: searched (2 … 8).
-        max_microbatches: upper bound on pipeline micro-batches (None: any divisor of the per-rank batch).
-        search_accumulate: choose gradient accumulation without a pipeline (else keep ``trainer.accumulate_grad_batches``).
-        mesh_order: outermost → innermost mesh axes.
-        reshard_after_forward: ZeRO-3 option; None: hybrid4d's default (reshard without a pipeline only).
-        allow_tp_across_nodes / allow_ep_across_nodes: let tp / ep groups span nodes.
-        norm_clipping: ``trainer.gradient_clip_val`` by norm (hybrid4d refuses it with ep > 1).
-        zero_stage: what sharding shards (hybrid4d's FSDP2: 3).
-        sequence_parallel: ``strategy.sequence_parallel``; None: searched (both ways for every ``tp > 1`` the model
-            allows it).
-        cp_mode: ``strategy.cp_mode`` (``ring`` or ``ulysses``); None: searched (ring, and ulysses where the heads
-            divide) for every ``cp > 1``.
-        max_cp: the largest context-parallel degree searched (None: any the sequence and the model allow; 1: none).
-    """
-
-    schedule: str = "1f1b"
-    virtual_stages: int | None = None
-    max_microbatches: int | None = None
-    search_accumulate: bool = True
-    mesh_order: tuple[str, ...] = DEFAULT_MESH_ORDER
-    reshard_after_forward: bool | None = None
-    allow_tp_across_nodes: bool = False
-    allow_ep_across_nodes: bool = False
-    norm_clipping: bool = False
-    zero_stage: int = 3
-    sequence_parallel: bool | None = None
-    cp_mode: str | None = None
-    max_cp: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.schedule not in SCHEDULES:
-            raise ConfigError(f"strategy.schedule={self.schedule!r} is not a pipeline schedule. Use one of {', '.join(SCHEDULES)}.")
-        if self.max_microbatches is not None and (not isinstance(self.max_microbatches, int) or self.max_microbatches < 1):
-            raise ConfigError(f"strategy.max_microbatches should be an int greater than 0 or null. Got {self.max_microbatches!r}.")
-        if self.sequence_parallel not in (None, True, False):
-            raise ConfigError(f"strategy.sequence_parallel should be true, false or absent (searched). Got {self.sequence_parallel!r}.")
-        if self.cp_mode is not None and self.cp_mode not in CP_MODES:
-            raise ConfigError(f"strategy.cp_mode should be one of {', '.join(CP_MODES)} or null (searched). Got {self.cp_mode!r}.")
-        if self.max_cp is not None and (not isinstance(self.max_cp, int) or isinstance(self.max_cp, bool) or self.max_cp < 1):
-            raise ConfigError(f"strategy.max_cp should be an int greater than 0 or null. Got {self.max_cp!r}.")
 
 
 @dataclass
@@ -194,11 +142,6 @@ def gib(n: float) -> str:
 
 
 # ------------------------------------------------------------------------------------ enumeration
-def divisors(n: int) -> list[int]:
-    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
-    return sorted(set(small + [n // d for d in small]))
-
-
 def degree_sets(world: int, experts: int = 0, cps: tuple[int, ...] | list[int] = (1,)) -> list[tuple[int, int, int, int, int, int]]:
     """Every ``(dp, sharding, cp, tp, pp, ep)`` with ``dp·sharding·cp·tp·pp = world`` and ``cp`` one of ``cps`` (``ep``
     divides ``dp·sharding`` and the experts)."""
@@ -212,86 +155,6 @@ def degree_sets(world: int, experts: int = 0, cps: tuple[int, ...] | list[int] =
                     for ep in eps:
                         out.append((rest // sharding, sharding, cp, tp, pp, ep))
     return out
-
-
-#: Fewest tokens in each of the ``2·cp`` chunks the search considers: flash attention's tiles are 64–128 query rows.
-MIN_CP_CHUNK = 128
-
-
-def context_parallel_degrees(w: Workload, world: int, opts: SearchOptions) -> list[int]:
-    """The ``cp`` degrees worth searching: 1, and every divisor of ``world`` with ``2·cp`` dividing the sequence into
-    chunks of at least :data:`MIN_CP_CHUNK` tokens (up to ``opts.max_cp``) when the model has a context-parallel plan."""
-    if w.shape.cp_refusal or opts.max_cp == 1:
-        return [1]
-    return [c for c in divisors(world) if w.seq_len % (2 * c) == 0 and (c == 1 or w.seq_len // (2 * c) >= MIN_CP_CHUNK)
-            and (opts.max_cp is None or c <= opts.max_cp)]
-
-
-def dominated_by_less_cp(w: Workload, layout: Layout) -> bool:
-    """Whether moving ``g = gcd(micro-batch, cp) > 1`` of ``cp`` into data parallelism runs the same work with a shorter
-    ring (module docstring): fused or all-to-all attention (the same memory), an all-to-all the smaller cp allows."""
-    g = math.gcd(layout.micro_batch, layout.cp)
-    if g == 1 or (w.attention != "flash" and layout.cp_mode != "ulysses"):
-        return False
-    return layout.cp_mode == "ring" or ulysses_problem(w.shape.heads // layout.tp, max(w.shape.kv_heads // layout.tp, 1), layout.cp // g) is None
-
-
-def ulysses_problem(heads: int, kv_heads: int, cp: int) -> str | None:
-    """Why all-to-all attention cannot split these heads (those one tp rank holds) over ``cp`` ranks (None: it can):
-    query heads divide by cp, key/value heads divide by cp or divide it
-    (``parallelkit.distributed.context_parallel_attention.check_ulysses_heads``, without torch)."""
-    if heads % cp:
-        return f"strategy.cp_mode=ulysses: cp={cp} must divide the {heads} attention heads of a tp rank"
-    if kv_heads % cp and cp % kv_heads:
-        return f"strategy.cp_mode=ulysses: cp={cp} must divide the {kv_heads} key/value heads of a tp rank, or be divided by them"
-    return None
-
-
-def degree_problem(w: Workload, hw: Hardware, layout: Layout, opts: SearchOptions) -> str | None:
-    """Why these degrees cannot run (None: they can), in the words of the checks that refuse them: what no strategy
-    can change (divisibility, the batch split), what the model cannot do, and groups across nodes unless allowed."""
-    shape, tp, pp, ep, cp = w.shape, layout.tp, layout.pp, layout.ep, layout.cp
-    dp_size = layout.dp * layout.sharding
-    if cp > 1:
-        if shape.cp_refusal:
-            return f"strategy.cp={cp}: {shape.cp_refusal}"
-        if w.seq_len % (2 * cp):
-            return f"data.seq_len={w.seq_len} must divide by 2·cp = {2 * cp} (context parallelism's load-balanced chunks)"
-        if layout.cp_mode == "ulysses":
-            problem = ulysses_problem(shape.heads // tp, max(shape.kv_heads // tp, 1), cp)
-            if problem:
-                return problem
-        if layout.sharding > 1 and layout.zero_stage in (1, 2):
-            return f"ZeRO stage {layout.zero_stage} with strategy.cp={cp}: optimizer sharding composes with data parallelism only"
-    if tp > 1:
-        if shape.tp_plan:
-            return shape.tp_plan
-        if layout.sequence_parallel and shape.sp_refusal:
-            return f"strategy.sequence_parallel=true with model={shape.family}: {shape.sp_refusal}"
-        tokens = [(f"data.seq_len / cp ({w.seq_len} / {cp})" if cp > 1 else "data.seq_len (block_size)", w.seq_len // cp)]
-        sizes = list(shape.tp_sizes) + (tokens if layout.sequence_parallel else [])
-        bad = [f"{name}={value}" for name, value in sizes if value % tp]
-        if bad:
-            return f"strategy.tp={tp} does not divide " + "; ".join(bad)
-        if not opts.allow_tp_across_nodes and crosses_nodes(layout.dims, TP, hw.devices_per_node):
-            return f"tp={tp} groups would span nodes of {hw.devices_per_node} ranks (strategy.allow_tp_across_nodes=true allows it)"
-    if ep > 1:
-        if not shape.experts:
-            return f"strategy.ep={ep}: the model has no Mixture-of-Experts layers"
-        if shape.experts % ep or dp_size % ep:
-            return f"strategy.ep={ep} must divide the {shape.experts} experts and dp × sharding = {dp_size}"
-        if opts.norm_clipping:
-            return f"strategy.ep={ep} with gradient clipping by norm (each rank holds different experts)"
-        if not opts.allow_ep_across_nodes and crosses_nodes(layout.dims, EP, hw.devices_per_node):
-            return f"ep={ep} groups would span nodes of {hw.devices_per_node} ranks (strategy.allow_ep_across_nodes=true allows it)"
-    if pp > 1:
-        if pp > shape.layers:
-            return f"The pipeline has {pp} stages but the model has only {shape.layers} blocks to distribute"
-        if shape.pp_refusal:
-            return shape.pp_refusal
-    if w.global_batch is not None and w.global_batch % dp_size:
-        return f"data.global_batch_size={w.global_batch} cannot be split evenly over dp × sharding = {dp_size} ranks"
-    return None
 
 
 def sequence_parallel_options(w: Workload, hw: Hardware, base: Layout, opts: SearchOptions) -> list[bool]:

@@ -9,6 +9,7 @@ prediction. Where parallelkit can run the published degrees (:func:`parallelkit_
 predicted slower than the published layout (``tests/unit/test_planner_validation.py``).
 
     python -m parallelkit.planner.validation            # the table of docs/planner.md
+    python -m parallelkit.planner.docs_tables           # rewrites that table in docs/planner.md
 """
 
 from __future__ import annotations
@@ -212,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     for r in results:
         t = r.published.time
         print(f"{r.name}: step {t.total:.3g} s = compute {t.compute:.3g} (recompute {t.recompute:.3g}) + bubble {t.bubble:.3g} + "
-              + " + ".join(f"{k} {v:.3g}" for k, v in t.comm.items() if v) + f" + optimizer {t.optimizer:.3g}")
+              + " + ".join(f"{k} {v:.3g}" for k, v in t.comm.items() if v) + f" + FSDP copy-out {t.fsdp_copy:.3g} + optimizer {t.optimizer:.3g} + host {t.host:.3g}")
     return 0
 
 

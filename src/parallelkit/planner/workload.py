@@ -64,7 +64,7 @@ PRECISIONS: dict[str, Precision] = {
 }
 TRAINER_PRECISION = {"32-true": "fp32", "32": "fp32", "bf16-mixed": "amp", "16-mixed": "amp", "bf16": "amp",
                      "16": "amp", "bf16-true": "bf16"}
-RECOMPUTE = ("none", "selective", "full")
+RECOMPUTE = ("none", "selective", "selective_op", "full")
 ATTENTION = ("flash", "dense")
 
 
@@ -85,6 +85,10 @@ class Runtime:
         deallocate_stage_outputs: a stage frees its output once sent, keeping only what backward needs
             (Megatron-LM's ``deallocate_pipeline_outputs``; Llama 3 §3.3.2); ``torch.distributed.pipelining``
             keeps each chunk's output until its backward: no.
+        unfused_elementwise: norms, rotary embeddings, repeated key/value heads and the activation function run op by op
+            in eager PyTorch, as the model code writes them (torchtitan's Llama without ``torch.compile``;
+            :mod:`~parallelkit.planner.eager_ops`). Default: fused, each step reading its input and writing its output
+            once.
     """
 
     overlap_dp: bool = False
@@ -92,6 +96,7 @@ class Runtime:
     p2p_scatter_gather: bool = False
     async_p2p: bool = False
     deallocate_stage_outputs: bool = False
+    unfused_elementwise: bool = False
 
 
 PARALLELKIT_RUNTIME = Runtime()
@@ -107,7 +112,9 @@ class Workload:
         global_batch: sequences per optimizer step (all ranks together).
         per_rank_batch: instead of ``global_batch``, sequences per data-parallel rank (data.per_device_batch_size).
         precision: a :data:`PRECISIONS` entry.
-        recompute: ``none``, ``selective`` (attention core recomputed) or ``full`` (each layer recomputed).
+        recompute: ``none``, ``selective`` (Korthikanti et al.: the attention core recomputed), ``selective_op``
+            (torchtitan's selective op checkpointing: :mod:`~parallelkit.planner.selective_op`) or ``full`` (each
+            layer recomputed).
         optimizer_slots: fp32 tensors of optimizer state per parameter (Adam 2, SGD 1).
         attention: ``flash`` (fused: no score matrix saved, causal half of the scores computed) or ``dense``.
         accumulate: ``trainer.accumulate_grad_batches`` as configured (the search may pick others; see

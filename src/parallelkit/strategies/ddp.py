@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -11,7 +12,7 @@ from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from parallelkit.capabilities import DDP_COMM_HOOK, LIGHTNING_BACKWARD, MIXED_PRECISION, REPLICATED_PARAMS, SPARSE_GRADIENTS
-from parallelkit.distributed.checkpoint_io import is_sharded_checkpoint, load_into_single_process
+from parallelkit.distributed.checkpoint_io import load_into_single_process
 from parallelkit.distributed.data_parallel import apply_ddp
 from parallelkit.distributed.elastic import DEFAULT_TIMEOUT_S, init_process_group_for_attempt, process_group_timeout
 from parallelkit.distributed.parallel_dims import DP, ParallelDims
@@ -175,9 +176,9 @@ class DDPStrategy(ParallelKitStrategyMixin, LightningDDPStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        """Also continues from a sharded checkpoint directory (ZeRO-3, tensor or pipeline parallel, ...): every rank
-        reads it whole, as one process does (:func:`~parallelkit.distributed.checkpoint_io.load_into_single_process`)."""
-        if is_sharded_checkpoint(checkpoint_path):
+        """Also continues from a sharded checkpoint directory (ZeRO-3, tensor or pipeline parallel, DeepSpeed, ...): every
+        rank reads it whole, as one process does (:func:`~parallelkit.distributed.checkpoint_io.load_into_single_process`)."""
+        if Path(checkpoint_path).is_dir():
             return load_into_single_process(checkpoint_path, self.lightning_module)
         return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
 

@@ -30,7 +30,9 @@ from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
 from parallelkit.capabilities import REPLICATED_PARAMS
+from parallelkit.distributed.checkpoint_io import check_compatible, fqn_optimizer_states, load_unsharded
 from parallelkit.distributed.comm_counting import uncounted
+from parallelkit.distributed.deepspeed_checkpoint import deepspeed_layout, load_into_deepspeed_engine
 from parallelkit.distributed.deepspeed_config import (
     auto_bucket_elements,
     build_deepspeed_config,
@@ -244,23 +246,27 @@ class DeepSpeedStrategy(ParallelKitStrategyMixin, LightningDDPStrategy):
 
     @override
     def check_checkpoint(self, checkpoint_path: Any, expected_shapes: Mapping[str, Any] | None = None) -> None:
-        """Before any process starts (``parallelkit.run``): ``checkpoint_path`` is a DeepSpeed checkpoint
-        directory this strategy wrote, with its model states. Shapes are checked by DeepSpeed on load."""
+        """Before any process starts (``parallelkit.run``): a DeepSpeed checkpoint directory with its model states, or
+        any other parallelkit checkpoint (a file or a sharded directory) of this model, continued into the engine."""
         path = Path(checkpoint_path)
         if not path.exists():
             raise ConfigError(f"ckpt_path={checkpoint_path} does not exist. Give a checkpoint directory (e.g. outputs/RUN/checkpoints/last.ckpt), or ckpt_path=last.")
-        if not (path / CHECKPOINT_TAG).is_dir():
-            raise ConfigError(
-                f"ckpt_path={checkpoint_path} is not a strategy=deepspeed checkpoint (no {CHECKPOINT_TAG}/ directory in it). "
-                "Resume with the strategy that wrote it."
-            )
-        if not any((path / CHECKPOINT_TAG).glob("*model_states.pt")):
-            raise ConfigError(f"ckpt_path={checkpoint_path} is an incomplete DeepSpeed checkpoint (no model states): its writer died. Use an earlier checkpoint.")
+        if (path / CHECKPOINT_TAG).is_dir():
+            if not any((path / CHECKPOINT_TAG).glob("*model_states.pt")):
+                raise ConfigError(f"ckpt_path={checkpoint_path} is an incomplete DeepSpeed checkpoint (no model states): its writer died. Use an earlier checkpoint.")
+            return
+        if self.stage == 0 or self.offload == "params":
+            raise ConfigError(f"ckpt_path={checkpoint_path} was not written by strategy=deepspeed; a continuation into DeepSpeed from another "
+                              "layout needs strategy.stage 1-3 without strategy.offload=params (its partitions live in DeepSpeed's buffers).")
+        if expected_shapes is not None:
+            check_compatible(path, dict(expected_shapes))
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         self.check_checkpoint(checkpoint_path)
         path = Path(checkpoint_path)
+        if not (path / CHECKPOINT_TAG).is_dir() or deepspeed_layout(path) != (self.stage, self.world_size):
+            return self._load_other_layout(path)  # DeepSpeed's own loader needs the stage and rank count it saved with
         with uncounted():
             loaded, client_state = self.engine.load_checkpoint(
                 str(path), tag=CHECKPOINT_TAG, load_optimizer_states=True, load_lr_scheduler_states=False
@@ -268,6 +274,20 @@ class DeepSpeedStrategy(ParallelKitStrategyMixin, LightningDDPStrategy):
         if loaded is None or client_state is None:
             raise ConfigError(f"DeepSpeed could not load the checkpoint at {checkpoint_path}.")
         return client_state
+
+    def _load_other_layout(self, path: Path) -> dict[str, Any]:
+        """Another layout's checkpoint (another strategy's, or DeepSpeed's at another stage or rank count), read whole (parameters and optimizer state by name), each rank keeping its
+        ZeRO partition (:func:`~parallelkit.distributed.deepspeed_checkpoint.load_into_deepspeed_engine`)."""
+        checkpoint = load_unsharded(path)
+        names = [name for name, _ in self.engine.module.named_parameters()]
+        states = fqn_optimizer_states(checkpoint, names)
+        if len(states) > 1:
+            raise ConfigError(f"ckpt_path={path} holds {len(states)} optimizers; strategy=deepspeed trains with one.")
+        load_into_deepspeed_engine(self.engine, checkpoint.pop("state_dict"), states[0]["state"] if states else {})
+        self.engine.global_steps = int(checkpoint.get("global_step", 0))
+        for key in [k for k in checkpoint if k.startswith("optimizer_")]:
+            del checkpoint[key]
+        return checkpoint
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:

@@ -27,6 +27,7 @@ from torch.distributed.fsdp import FSDPModule
 from typing_extensions import override
 
 from parallelkit.capabilities import LIGHTNING_BACKWARD
+from parallelkit.distributed.deepspeed_checkpoint import is_deepspeed_checkpoint
 from parallelkit.distributed.dtensor_step import use_foreach_for_dtensors
 from parallelkit.distributed.elastic import DEFAULT_TIMEOUT_S, init_process_group_for_attempt, process_group_timeout
 from parallelkit.distributed.grad_sync import GradAllReduce
@@ -227,6 +228,8 @@ class MeshStrategy(ParallelKitStrategyMixin, ModelParallelStrategy):
         from torch.distributed.checkpoint import FileSystemReader
 
         path = Path(self.broadcast(str(checkpoint_path)))
+        if is_deepspeed_checkpoint(path):
+            return False  # read whole by every rank (_load_whole)
         if not (path / "meta.pt").is_file():
             return True  # not a directory: Lightning's loader says what it is
         saved = FileSystemReader(str(path)).read_metadata().state_dict_metadata
@@ -242,8 +245,8 @@ class MeshStrategy(ParallelKitStrategyMixin, ModelParallelStrategy):
         )
 
         path = Path(self.broadcast(str(checkpoint_path)))
-        if path.is_file():
-            return self._load_whole_file(path)
+        if path.is_file() or is_deepspeed_checkpoint(path):
+            return self._load_whole(path)
         if not (path / "meta.pt").is_file():
             raise ConfigError(f"strategy={self.strategy_name} resumes from a distributed checkpoint directory (with meta.pt) or a "
                               f"checkpoint file; {path} is neither.")
@@ -271,28 +274,38 @@ class MeshStrategy(ParallelKitStrategyMixin, ModelParallelStrategy):
             set_optimizer_state_dict(module, optimizer, optim_state_dict=loaded, options=StateDictOptions(cpu_offload=True))
         return torch.load(path / "meta.pt", weights_only=weights_only)
 
-    def _load_whole_file(self, path: Path) -> dict[str, Any]:
-        """A one-file checkpoint (``strategy=single`` or ``ddp``): every rank reads it and keeps, by name, the parameters
-        and per-parameter optimizer state it holds; the optimizer groups are this rank's (their learning rate is the
-        restored schedule's). Its index-keyed optimizer state is named with the whole model's parameter names, taken
-        before the model was split (:attr:`full_param_names`)."""
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict, set_optimizer_state_dict
+    def _load_whole(self, path: Path) -> dict[str, Any]:
+        """A one-file checkpoint (``strategy=single`` or ``ddp``) or a DeepSpeed directory: every rank reads it whole and
+        keeps, by name, the parameters (plain or DTensor: sliced to its shard) and per-parameter optimizer state it holds;
+        the optimizer groups are this rank's (their learning rate is the restored schedule's). An index-keyed optimizer
+        state is named with the whole model's parameter names, taken before the model was split (:attr:`full_param_names`)."""
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            get_optimizer_state_dict,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
 
-        from parallelkit.distributed.checkpoint_io import index_to_fqn
+        from parallelkit.distributed.checkpoint_io import fqn_optimizer_states, load_unsharded
 
-        checkpoint = torch.load(path, map_location="cpu", weights_only=False)
+        checkpoint = load_unsharded(path)
         module = self.model
         saved = checkpoint.pop("state_dict")
         own = get_model_state_dict(module)
         missing = sorted(set(own) - set(saved))
         if missing:
             raise ConfigError(f"ckpt_path={path} lacks parameters this model holds: {missing[:4]}. Use the model settings it was trained with.")
-        module.load_state_dict({name: saved[name] for name in own}, strict=False)
-        for optimizer, state in zip(self.optimizers, checkpoint.pop("optimizer_states", [])):
-            named = index_to_fqn(state, self.full_param_names)["state"]
-            current = get_optimizer_state_dict(module, optimizer)
+        whole = StateDictOptions(full_state_dict=True, strict=False)
+        set_model_state_dict(module, {name: saved[name] for name in own}, options=whole)
+        states = fqn_optimizer_states(checkpoint, self.full_param_names)
+        for optimizer, state in zip(self.optimizers, states):
+            named = state["state"]
+            current = get_optimizer_state_dict(module, optimizer, options=whole)
             loaded = {"state": {name: named[name] for name in current["state"] if name in named}, "param_groups": current["param_groups"]}
-            set_optimizer_state_dict(module, optimizer, optim_state_dict=loaded)
+            set_optimizer_state_dict(module, optimizer, optim_state_dict=loaded, options=whole)
+        for key in [k for k in checkpoint if k.startswith("optimizer_")]:
+            del checkpoint[key]
         return checkpoint
 
     @override

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -9,7 +10,7 @@ from lightning.pytorch.strategies import SingleDeviceStrategy
 from typing_extensions import override
 
 from parallelkit.capabilities import LIGHTNING_BACKWARD, MIXED_PRECISION, REPLICATED_PARAMS, SPARSE_GRADIENTS
-from parallelkit.distributed.checkpoint_io import is_sharded_checkpoint, load_into_single_process
+from parallelkit.distributed.checkpoint_io import load_into_single_process
 from parallelkit.distributed.parallel_dims import ParallelDims
 from parallelkit.strategies.base import ParallelKitStrategyMixin
 
@@ -46,7 +47,7 @@ class SingleStrategy(ParallelKitStrategyMixin, SingleDeviceStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        """Also resumes from a sharded checkpoint directory written by a multi-rank run (gathered here)."""
-        if is_sharded_checkpoint(checkpoint_path):
+        """Also resumes from a sharded (or DeepSpeed) checkpoint directory written by a multi-rank run (gathered here)."""
+        if Path(checkpoint_path).is_dir():
             return load_into_single_process(checkpoint_path, self.lightning_module)
         return super().load_checkpoint(checkpoint_path, weights_only=weights_only)

@@ -1,0 +1,268 @@
+"""Asynchronous checkpoints: the training step goes on while a background thread writes a staged copy.
+
+``checkpoint.async_save=true`` (:class:`~parallelkit.callbacks.periodic_checkpoint.PeriodicCheckpoint`). A save
+has two halves:
+
+- **staging**, on the training thread, between two steps: Lightning's checkpoint dict (the same one
+  ``trainer.save_checkpoint`` writes) is copied to host memory — tensors into staging buffers that are allocated
+  at the first save and reused by every later one (a fresh allocation faults its pages in, which costs as much
+  as the write itself), the rest deep-copied, so nothing the next steps change (parameters, moments, the loss
+  history) reaches the file;
+- **writing**, on a background thread, while training goes on.
+
+Two layouts, as the strategy writes them synchronously:
+
+- ``file`` (``strategy=single``, ``ddp``; any strategy whose checkpoint is Lightning's one file): rank 0 stages
+  and writes ``torch.save`` through :func:`parallelkit.run_dir.write_atomically`; other ranks hold nothing to write.
+- ``sharded`` (the mesh strategies: ``zero``, ``tp``, ``pp``, ``moe``, ``hybrid4d``): every rank stages only its
+  own shards and writes them with ``torch.distributed.checkpoint.async_save`` into ``NAME.tmp`` over a gloo
+  group of its own (a background collective on the training group would interleave with the step's); when
+  torch's save returns on rank 0 every rank's shards and the ``.metadata`` are on disk, and rank 0 writes
+  ``meta.pt`` (the completion marker) and swaps ``NAME.tmp`` in, as
+  :meth:`~parallelkit.strategies.base.ParallelKitStrategyMixin.save_directory_atomically` does. No rank gathers
+  anything.
+
+The second name of a checkpoint (``epoch=E-step=S.ckpt`` beside ``last.ckpt``) is a hard link of the first one's
+files (checkpoint files are never modified in place: a new one is renamed over the old), or a copy where the file
+system has no hard links. At most one save is in flight: :meth:`AsyncCheckpointWriter.start` is only called
+once :meth:`AsyncCheckpointWriter.wait` returned. A writer killed with its process leaves ``NAME.tmp`` (or a
+hidden temporary file) beside the previous checkpoint, which stays whole.
+
+Strategies that write checkpoints their own way (DeepSpeed's engine, the parameter server's table snapshots) are
+refused with :class:`~parallelkit.errors.ConfigError` (:func:`checkpoint_layout`).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from parallelkit.errors import ConfigError
+
+FILE, SHARDED = "file", "sharded"
+META_FILE = "meta.pt"  # Lightning's ModelParallelStrategy writes the non-tensor state here, last
+
+
+def checkpoint_layout(strategy: Any) -> str:
+    """How ``strategy`` writes a checkpoint: ``"file"`` or ``"sharded"``; :class:`ConfigError` where the asynchronous
+    writer cannot reproduce it (a strategy that overrides ``save_checkpoint`` with a writer of its own)."""
+    from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+    from lightning.pytorch.strategies import ModelParallelStrategy, Strategy
+
+    from parallelkit.strategies.mesh import MeshStrategy
+
+    name = getattr(strategy, "strategy_name", type(strategy).__name__)
+    owner = next(c for c in type(strategy).__mro__ if "save_checkpoint" in vars(c))
+    if owner in (MeshStrategy, ModelParallelStrategy) and getattr(strategy, "_save_distributed_checkpoint", False):
+        return SHARDED
+    if owner is Strategy or (owner in (MeshStrategy, ModelParallelStrategy)):  # the latter: one file, gathered on rank 0
+        io = getattr(strategy, "checkpoint_io", None)
+        if io is None or isinstance(io, TorchCheckpointIO):
+            return FILE
+        raise ConfigError(f"checkpoint.async_save=true writes the checkpoint file itself, but strategy={name} writes it through "
+                          f"{type(io).__name__}, which would be bypassed. Use checkpoint.async_save=false.")
+    raise ConfigError(
+        f"checkpoint.async_save=true does not work with strategy={name}: it writes its checkpoints its own way "
+        f"({owner.__qualname__}.save_checkpoint: e.g. DeepSpeed's engine, or the parameter server's table snapshots), which a "
+        "background writer cannot take over. Use checkpoint.async_save=false (every save then blocks training while it writes)."
+    )
+
+
+@dataclass
+class SaveRecord:
+    """One checkpoint: its step, the names it was written to, how long training stood still for it (``stall_s``:
+    staging) and when it was complete on disk (``write_s`` after it began); ``error`` if the write failed."""
+
+    step: int
+    paths: list[Path]
+    began: float
+    stall_s: float = 0.0
+    dump_s: float = 0.0  # of stall_s: Lightning's checkpoint dump (the rest: staging, and starting the write)
+    write_s: float | None = None
+    error: BaseException | None = None
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+class AsyncCheckpointWriter:
+    """Stage a Lightning checkpoint between two steps, write it on a background thread; one save in flight at most.
+
+    Args:
+        layout: ``"file"`` or ``"sharded"`` (:func:`checkpoint_layout`).
+        timeout_s: how long a background collective of a sharded save waits for the other ranks.
+
+    Example::
+
+        writer = AsyncCheckpointWriter(checkpoint_layout(trainer.strategy))
+        writer.setup(trainer.strategy)
+        writer.start(trainer, [Path("ckpts/last.ckpt")])  # returns once staged
+        ...                                                # training steps
+        record = writer.wait()                             # on disk (or record.error)
+    """
+
+    def __init__(self, layout: str, timeout_s: float = 600.0) -> None:
+        if layout not in (FILE, SHARDED):
+            raise ValueError(f"layout must be {FILE!r} or {SHARDED!r}, got {layout!r}")
+        self.layout = layout
+        self.timeout_s = float(timeout_s)
+        self.records: list[SaveRecord] = []
+        self._thread: threading.Thread | None = None
+        self._stager: Any = None
+        self._group: Any = None
+
+    # ---------------------------------------------------------------------------------------- set-up
+    def setup(self, strategy: Any) -> None:
+        """On every rank, while the ranks are in step (a callback's ``setup``): the gloo group of the background
+        collectives (sharded layout) and the staging buffers' owner."""
+        import torch.distributed as dist
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+        # No pinned or shared memory (host tensors already), staging on the calling thread: its buffers are cached
+        # per source storage and reused by the next save, which overwrites them only once this one is written.
+        self._stager = DefaultStager(StagingOptions(False, False, False, False))
+        if self.layout == SHARDED and dist.is_available() and dist.is_initialized() and self._group is None:
+            self._group = dist.new_group(backend="gloo", timeout=timedelta(seconds=self.timeout_s))
+
+    def close(self) -> None:
+        """Release the staging buffers (after the last :meth:`wait`)."""
+        if self._stager is not None:
+            self._stager.close()
+            self._stager = None
+
+    # ---------------------------------------------------------------------------------------- saving
+    @property
+    def in_flight(self) -> bool:
+        return self._thread is not None
+
+    def start(self, trainer: Any, paths: list[Path]) -> SaveRecord:
+        """Stage the trainer's checkpoint (every rank, in step: Lightning's dump may run collectives) and start
+        writing it to ``paths`` (the first written, the others linked to it). Call :meth:`wait` first."""
+        if self._thread is not None:
+            raise RuntimeError("AsyncCheckpointWriter.start: a save is still in flight; wait() for it first (one save at a time).")
+        if self._stager is None:
+            self.setup(trainer.strategy)
+        strategy = trainer.strategy
+        began = time.perf_counter()
+        record = SaveRecord(step=trainer.global_step, paths=[Path(p) for p in paths], began=began)
+        checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)  # what trainer.save_checkpoint writes
+        record.dump_s = time.perf_counter() - began
+        if self.layout == FILE:
+            work = self._stage_file(strategy, checkpoint, record)
+        else:
+            work = self._stage_sharded(strategy, checkpoint, record)
+        record.stall_s = time.perf_counter() - began
+        self.records.append(record)
+        self._thread = threading.Thread(target=self._write, args=(work, record), name=f"parallelkit-checkpoint-{record.step}")
+        self._thread.start()
+        return record
+
+    def wait(self) -> SaveRecord | None:
+        """Block until the save in flight (if any) is on disk or failed; return its record (``record.error``)."""
+        if self._thread is None:
+            return None
+        self._thread.join()
+        self._thread = None
+        return self.records[-1]
+
+    # ---------------------------------------------------------------------------------------- the two layouts
+    def _stage_file(self, strategy: Any, checkpoint: dict[str, Any], record: SaveRecord) -> Callable[[], None]:
+        if not strategy.is_global_zero:
+            return lambda: None  # Lightning's one file is rank 0's
+        staged = self._stager.stage(checkpoint)
+        first, others = record.paths[0], record.paths[1:]
+
+        def write() -> None:
+            from parallelkit import run_dir  # through the module: fault injection replaces write_atomically there
+
+            first.parent.mkdir(parents=True, exist_ok=True)
+            run_dir.write_atomically(first, lambda file: torch.save(staged, file))
+            for other in others:
+                _link_file(first, other)
+
+        return write
+
+    def _stage_sharded(self, strategy: Any, checkpoint: dict[str, Any], record: SaveRecord) -> Callable[[], None]:
+        import torch.distributed.checkpoint as dcp
+
+        first, others = record.paths[0], record.paths[1:]
+        tmp = first.with_name(first.name + ".tmp")
+        if strategy.is_global_zero and tmp.exists():
+            shutil.rmtree(tmp) if tmp.is_dir() else tmp.unlink()  # a previous writer died here
+        strategy.barrier("async_checkpoint.stage")
+        tmp.mkdir(parents=True, exist_ok=True)
+        # Lightning's ModelParallelStrategy.save_checkpoint layout: tensors through DCP, the rest in meta.pt (rank 0).
+        tensors = {"state_dict": checkpoint.pop("state_dict")}
+        tensors.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
+        meta = self._stager.stage(checkpoint) if strategy.is_global_zero else None
+        future = dcp.async_save(tensors, checkpoint_id=str(tmp), process_group=self._group, async_stager=self._stager)
+        is_zero = strategy.is_global_zero
+
+        def write() -> None:
+            future.result()  # every rank's shards and the .metadata are on disk once rank 0's returns
+            if not is_zero:
+                return
+            torch.save(meta, tmp / META_FILE)
+            _swap_in_directory(tmp, first)
+            for other in others:
+                _link_tree(first, other)
+
+        return write
+
+    def _write(self, work: Callable[[], None], record: SaveRecord) -> None:
+        try:
+            work()
+        except BaseException as err:  # noqa: BLE001 - handed to the training thread at wait()
+            record.error = err
+        finally:
+            record.write_s = time.perf_counter() - record.began
+            record.done.set()
+
+
+def _swap_in_directory(tmp: Path, final: Path) -> None:
+    """Rename ``tmp`` to ``final``, the old one moved aside first and removed after (as the synchronous save does)."""
+    old = final.with_name(final.name + ".old")
+    if final.exists() or final.is_symlink():
+        if old.is_dir():
+            shutil.rmtree(old)
+        elif old.exists():
+            old.unlink()
+        final.rename(old)
+    tmp.rename(final)
+    if old.is_dir():
+        shutil.rmtree(old)
+    elif old.exists():
+        old.unlink()
+
+
+def _link_file(source: Path, target: Path) -> None:
+    """``target`` becomes a second name of ``source`` (a copy where hard links are refused), atomically."""
+    tmp = target.with_name(f".{target.name}.tmp{os.getpid()}")
+    tmp.unlink(missing_ok=True)
+    try:
+        os.link(source, tmp)
+    except OSError:
+        shutil.copyfile(source, tmp)
+    os.replace(tmp, target)
+
+
+def _link_tree(source: Path, target: Path) -> None:
+    """``target`` becomes a directory of hard links to ``source``'s files (copies where links are refused), swapped in whole."""
+    tmp = target.with_name(target.name + ".tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+
+    def link(src: str, dst: str) -> None:
+        try:
+            os.link(src, dst)
+        except OSError:
+            shutil.copy2(src, dst)
+
+    shutil.copytree(source, tmp, copy_function=link)
+    _swap_in_directory(tmp, target)
