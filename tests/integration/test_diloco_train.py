@@ -4,7 +4,8 @@ Traffic against dense DDP run in the same test (same seed, model, data, global b
 ÷ 4, and with bf16 outer gradients ÷ 8, as ``summary.json``'s ``comm.bytes_sent_per_step`` (everything the
 run counts) says. Resume: a run killed after step 12 and resumed from its step-10 checkpoint (mid outer step;
 streaming: with fragment 0's all-reduce in flight) reproduces the uninterrupted run's ``train_loss`` bit for
-bit: every rank's own replica and inner optimizer state must come back, not rank 0's on every rank. A resume
+bit: every rank's own replica and inner optimizer state must come back, not rank 0's on every rank; so does a
+finished run taken further (its final checkpoint holds the run before the end's averaging). A resume
 on fewer ranks than were saved cannot have them: it warns and restarts the outer step from the anchors. Bad
 settings stop before any rank starts (exit 2). The negative controls (a resume that forgets state, DDP's
 all-reduce left on) are in tests/distributed/test_diloco.py.
@@ -69,6 +70,18 @@ def test_resume_mid_outer_step_is_bit_identical(method, tmp_path):
     resumed = _interrupted_then_resumed(args, tmp_path / "resumed")
     assert resumed["steps"] == 20
     assert resumed["train_loss"] == straight["train_loss"]
+
+
+@pytest.mark.parametrize("method", [H4, STREAM], ids=["h4", "streaming"])
+def test_a_finished_run_taken_further_is_the_uninterrupted_run(method, tmp_path):
+    """6 steps (mid outer step: the run ends averaging the replicas into one model), then the same command to 12
+    with ckpt_path=last: the final checkpoint kept the run as it stood before that averaging."""
+    args = [*TINY, *method, *RANKS, "trainer.log_every_n_steps=3"]
+    straight = run_ok([*args, "trainer.max_steps=12"], tmp_path / "straight")
+    run_ok([*args, "trainer.max_steps=6"], tmp_path / "extended")
+    extended = run_ok([*args, "trainer.max_steps=12", "ckpt_path=last"], tmp_path / "extended")
+    assert extended["steps"] == 12
+    assert extended["train_loss"] == straight["train_loss"]
 
 
 def test_resume_on_fewer_ranks_warns_and_restarts_the_outer_step(tmp_path):

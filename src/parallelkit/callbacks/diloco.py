@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from typing import Any, Callable
 
 import lightning.pytorch as pl
@@ -84,6 +85,7 @@ class DiLoCoCallback(ReplicaState, CommHookCallback):
         self.diloco: DiLoCo | None = None
         self._loaded: dict | None = None
         self._local: list | None = None  # the replica's parameters while validation holds the anchors
+        self._resumable: tuple[dict, dict] | None = None  # after the last step: the state before the end's averaging
         self._sent = 0
         self._last_bytes = 0
         self._dense_step_bytes = 0
@@ -116,10 +118,14 @@ class DiLoCoCallback(ReplicaState, CommHookCallback):
     # ---------------------------------------------------------------- per-replica state (callbacks.replica_state)
     @override
     def shared_state(self) -> dict[str, Any]:
+        if self._resumable is not None:
+            return self._resumable[0]
         return {"diloco": self.diloco.state_dict()}
 
     @override
     def replica_entry(self, trainer: pl.Trainer) -> dict[str, Any]:
+        if self._resumable is not None:
+            return self._resumable[1]
         # the replica's own parameters (not the anchors validation may hold now) and inner optimizer state
         return {"params": [t.detach().clone() for t in (self._local or self.diloco.params)],
                 "optimizer": trainer.optimizers[0].state_dict()}
@@ -147,8 +153,13 @@ class DiLoCoCallback(ReplicaState, CommHookCallback):
         step = self._finished_step(trainer)
         if step is None:
             return
-        last = trainer.max_steps is not None and 0 < trainer.max_steps <= trainer.global_step
-        applied = self.diloco.after_step(step, force=last)
+        applied = self.diloco.after_step(step)
+        if trainer.max_steps is not None and 0 < trainer.max_steps <= trainer.global_step:
+            # The final checkpoint keeps the run as it stands before the end's averaging, so that a run taken further
+            # continues as the uninterrupted one (which never averaged here); the model trained to is the average.
+            self._resumable = (copy.deepcopy(self.shared_state()), copy.deepcopy(self.replica_entry(trainer)))
+            self.diloco.end_with_one_model(step)
+            applied = True
         now = self._bytes(trainer)
         sent, self._last_bytes = now - self._last_bytes, now
         self._sent += sent
@@ -158,7 +169,7 @@ class DiLoCoCallback(ReplicaState, CommHookCallback):
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         diloco = self.diloco
         if diloco is not None and trainer.global_step > 0 and diloco.ended_at != trainer.global_step - 1:
-            diloco.after_step(trainer.global_step - 1, force=True)  # stopped before max_steps: still one model
+            diloco.end_with_one_model(trainer.global_step - 1)  # stopped before max_steps: still one model
 
     # Validation judges the global model, which every rank holds identically, not one replica's drift.
     @override

@@ -119,28 +119,40 @@ class DiLoCo:
 
     def after_step(self, step: int, force: bool = False) -> bool:
         """After inner step ``step``: complete the in-flight fragment if its τ steps are over, start the next
-        one if due. ``force`` (the last step) ends with one model on every rank: the in-flight fragment and the
-        one due now complete (taking the anchor, no local part merged), and every other fragment is averaged over the replicas (its anchor becomes
-        that average) — not an extra outer step, whose momentum would push a half-finished period as far as a
-        whole one. Returns whether anything was applied."""
+        one if due. ``force`` (the last step) then ends with one model on every rank (:meth:`end_with_one_model`).
+        Returns whether anything was applied."""
         applied = False
-        if self.pending is not None and (force or step >= self.pending["start"] + self.overlap_steps):
-            self._complete(step, merge=not force)  # at the end no local part is kept: every rank takes the anchor
+        if self.pending is not None and step >= self.pending["start"] + self.overlap_steps:
+            self._complete(step)
             applied = True
         f = self.fragment_starting_after(step)
         if f is not None:
             self._start(f, step)
-            if self.overlap_steps == 0 or force:
+            if self.overlap_steps == 0:
                 self._complete(step, merge=False)
                 applied = True
         if force:
-            done = {frag for s, frag in self.outer_steps if s == step}
-            rest = [i for k, idx in enumerate(self.fragments) if k not in done for i in idx]
-            if rest:
-                self._average(rest)
-                applied = True
-            self.ended_at = step
+            self.end_with_one_model(step)
+            applied = True
         return applied
+
+    @torch.no_grad()
+    def end_with_one_model(self, step: int) -> None:
+        """One model on every rank after step ``step`` (the end of a run): the in-flight fragment completes, and every
+        fragment updated at this step takes its anchor (no local part kept); every other fragment is averaged over the
+        replicas (its anchor becomes that average) — not an extra outer step, whose momentum would push a
+        half-finished period as far as a whole one. The run's own state before this (what a continuation needs) is
+        the caller's to keep."""
+        if self.pending is not None:
+            self._complete(step, merge=False)
+        done = {frag for s, frag in self.outer_steps if s == step}
+        for k in done:
+            for i in self.fragments[k]:
+                self.params[i].copy_(self.anchors[i].to(self.params[i].dtype))
+        rest = [i for k, idx in enumerate(self.fragments) if k not in done for i in idx]
+        if rest:
+            self._average(rest)
+        self.ended_at = step
 
     @torch.no_grad()
     def _average(self, indices: list[int]) -> None:
