@@ -42,6 +42,11 @@ LAYOUTS = {
     "zero3_4": ["strategy=zero", "strategy.stage=3", "trainer.devices=4"],
     "dp2tp2": ["strategy=hybrid4d", "strategy.dp=2", "strategy.tp=2", "strategy.pp=1", "strategy.microbatches=2", "trainer.devices=4"],
     "pp2dp2": ["strategy=hybrid4d", "strategy.dp=2", "strategy.tp=1", "strategy.pp=2", "strategy.microbatches=2", "trainer.devices=4"],
+    "zero3_groups": ["strategy=zero", "strategy.stage=3", "strategy.sharding_group=2", "trainer.devices=4"],
+    "zero2_offload": ["strategy=zero", "strategy.stage=2", "strategy.offload=optimizer", "trainer.devices=2"],
+    "zero3_offload": ["strategy=zero", "strategy.stage=3", "strategy.offload=params", "trainer.devices=2"],
+    "tp_sp": ["strategy=tp", "strategy.tp=2", "strategy.sequence_parallel=true", "trainer.devices=2"],
+    "ds1": ["strategy=deepspeed", "strategy.stage=1", "trainer.devices=2"],
 }
 # (saved by, continued by): every pair that failed before (a pipeline's per-stage groups read whole or by another
 # layout, a sharded directory read by DDP, a one-process file read per stage), and the reverse directions.
@@ -51,7 +56,10 @@ PAIRS = [("pp", "single"), ("pp", "tp"), ("zero3", "ddp"), ("ddp", "pp"), ("ds2"
 SLOW_PAIRS = [("pp", "ddp"), ("pp", "zero3"), ("tp", "pp"), ("single", "pp"), ("zero3", "pp"),
               ("ds3", "tp"), ("ds2", "ds3"), ("ds2", "ds2_4"), ("tp", "ds2"), ("ds3", "single"),
               # the matrix, beside the pairs above
-              ("single", "tp"), ("tp", "zero3"), ("zero3_4", "ddp"), ("ppi", "single"), ("dp2tp2", "pp2dp2")]
+              ("single", "tp"), ("tp", "zero3"), ("zero3_4", "ddp"), ("ppi", "single"), ("dp2tp2", "pp2dp2"),
+              # the rest of the list: sharding groups, offload, sequence parallel, DeepSpeed stage 1
+              ("zero3_groups", "tp_sp"), ("tp_sp", "zero2_offload"), ("zero3_offload", "ds1"), ("ds1", "zero3_groups"),
+              ("ddp", "zero3_offload")]
 
 
 def final_state(run_dir: Path) -> tuple[dict, dict]:

@@ -277,7 +277,12 @@ class ZeroOptimizer:
 
     @torch.no_grad()
     def load_full_state_dict(self, full: dict[str, Any]) -> None:
-        """Inverse of :meth:`full_state_dict`: keep this rank's slice of every per-parameter state tensor."""
+        """Inverse of :meth:`full_state_dict`: keep this rank's slice of every per-parameter state tensor. Called after
+        the module's parameters were loaded: with ``offload`` the host copies of the owned slices (what the optimizer
+        steps) are taken from them again, or the next step would start from the parameters of construction."""
+        if self.offload:
+            for bucket in self._all:
+                bucket.shard_param.copy_(bucket.flat_param[bucket.own])
         for group, saved, buckets in zip(self.optimizer.param_groups, full["param_groups"], self.buckets):
             group.update({k: v for k, v in saved.items() if k != "params"})
             for bucket in buckets:
