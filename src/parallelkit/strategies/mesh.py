@@ -301,7 +301,7 @@ class MeshStrategy(ParallelKitStrategyMixin, ModelParallelStrategy):
         states = fqn_optimizer_states(checkpoint, self.full_param_names)
         for optimizer, state in zip(self.optimizers, states):
             named = state["state"]
-            current = get_optimizer_state_dict(module, optimizer, options=whole)
+            current = get_optimizer_state_dict(module, optimizer)  # this rank's names and groups (nothing gathered)
             loaded = {"state": {name: named[name] for name in current["state"] if name in named}, "param_groups": current["param_groups"]}
             set_optimizer_state_dict(module, optimizer, optim_state_dict=loaded, options=whole)
         for key in [k for k in checkpoint if k.startswith("optimizer_")]:
