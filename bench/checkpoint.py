@@ -25,7 +25,8 @@ parameters and AdamW moments) at 2 and 4 gloo ranks, for ``ddp``, ``zero`` (stag
     python bench/checkpoint.py              # 2 and 4 ranks × 4 layouts, ~10-15 min on 2 cores
     python bench/checkpoint.py --quick      # 2 ranks, ddp and zero only, a smaller model
 
-Writes ``bench/results/checkpoint.json`` and prints the Markdown table of bench/README.md.
+Writes ``bench/results/checkpoint.json`` and prints the Markdown table of docs/benchmarks.md
+(``--table``: the tables of the saved results; ``python bench/docs_tables.py`` writes them into the page).
 """
 
 from __future__ import annotations
@@ -193,6 +194,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--layouts", nargs="+", default=list(LAYOUTS))
     p.add_argument("--quick", action="store_true", help="2 ranks, ddp and zero3, n_embd 256")
     p.add_argument("--timeout", type=float, default=900)
+    p.add_argument("--table", action="store_true", help="print the table(s) of the saved results and exit (runs nothing)")
     args = p.parse_args(argv)
     if args.quick:
         args.worlds, args.layouts, args.n_embd = [2], ["ddp", "zero3"], 256
@@ -304,10 +306,35 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def load_results() -> dict:
+    return json.loads((RESULTS / "checkpoint.json").read_text())
+
+
+def save_load_markdown(rows: list[dict]) -> str:
+    """The short table (the README's "Changing the layout"): save and load time, and the stall of an async save."""
+    def ms(v):
+        return "–" if v is None else f"{1000 * v:.0f} ms"
+
+    lines = ["| layout | ranks | save / load (max rank) | DCP direct save / load | async save's stall ÷ sync save |", "|---|---:|---:|---:|---:|"]
+    for row in rows:
+        s = summarize(row)
+        lines.append(f"| {s['layout']} | {s['world']} | {ms(s['save_s'])} / {ms(s['load_s'])} | {ms(s['dcp_save_s'])} / {ms(s['dcp_load_s'])} | "
+                     f"{s['stall_ratio']:.2f} |")
+    return "\n".join(lines)
+
+
+def tables(results: dict) -> dict[str, str]:
+    """The Markdown tables of saved results: ``full`` and ``save_load`` (``--table``; bench/docs_tables.py)."""
+    return {"full": markdown(results["rows"]), "save_load": save_load_markdown(results["rows"])}
+
+
 def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.table:
+        print("\n\n".join(tables(json.loads((RESULTS / ("checkpoint_quick.json" if args.quick else "checkpoint.json")).read_text())).values()))
+        return 0
     import torch
 
-    args = parse_args(argv)
     began = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="pk_bench_ckpt_") as tmp:
         rows = measure(args, Path(tmp))

@@ -32,7 +32,7 @@ strategy's batch cut, Lightning's loop) on the same GPT, data, seed and AdamW, f
   512) until the bracket is within 1/8. A failure that is not a memory error stops the bench.
 
 Writes ``bench/results/context_parallel.json`` (``context_parallel_quick.json`` with ``--quick``) and prints the
-Markdown tables of the README.
+Markdown tables of docs/benchmarks.md (``--table``: of the saved results; ``python bench/docs_tables.py`` writes them into the page).
 """
 
 from __future__ import annotations
@@ -130,6 +130,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-search", action="store_true")
     p.add_argument("--quick", action="store_true", help="cp = 2 only, seq 512, 4 steps, two search probes each for single and ring")
     p.add_argument("--timeout", type=float, default=900)
+    p.add_argument("--table", action="store_true", help="print the table(s) of the saved results and exit (runs nothing)")
     args = p.parse_args(argv)
     if args.quick:
         args.steps, args.seq_len, args.batch, args.max_probes, args.search_start = 3, GRANULE, 1, 1, 2048
@@ -319,6 +320,18 @@ def markdown(results: dict) -> str:
     return "\n".join(lines)
 
 
+def load_results() -> dict:
+    return json.loads((RESULTS / "context_parallel.json").read_text())
+
+
+def tables(results: dict) -> dict[str, str]:
+    """The Markdown tables of saved results, without their captions: ``layouts`` and (if searched) ``search``
+    (``--table``; bench/docs_tables.py)."""
+    blocks = ["\n".join(line for line in block.splitlines() if line.startswith("|"))
+              for block in markdown(results).split("\n\n")]
+    return dict(zip(("layouts", "search"), [b for b in blocks if b]))
+
+
 def save(args: argparse.Namespace, results: dict) -> Path:
     import torch
 
@@ -331,8 +344,11 @@ def save(args: argparse.Namespace, results: dict) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.table:
+        print(markdown(json.loads((RESULTS / ("context_parallel_quick.json" if args.quick else "context_parallel.json")).read_text())))
+        return 0
     started = time.perf_counter()
-    results: dict = {"workload": {k: v for k, v in vars(args).items() if k != "timeout"}, "cores": os.cpu_count(),
+    results: dict = {"workload": {k: v for k, v in vars(args).items() if k not in ("timeout", "table")}, "cores": os.cpu_count(),
                      "measured": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     with tempfile.TemporaryDirectory(prefix="pk_bench_cp_") as tmp:
         results["layouts"] = measure_layouts(args, Path(tmp))

@@ -75,6 +75,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=900)
     p.add_argument("--out", default=None, help="default: bench/results/hf_trainer.json (hf_trainer_quick.json with --quick)")
     p.add_argument("--keep", action="store_true", help="keep the run directories")
+    p.add_argument("--table", action="store_true", help="print the table(s) of the saved results and exit (runs nothing)")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # internal: the Trainer side, under torchrun
     p.add_argument("--worker-out", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -84,7 +85,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.rounds, args.steps = 1, 20
         for key, value in QUICK.items():
             setattr(args, key, value)
-    if args.out is None:  # a smoke run must not overwrite the measurement the README quotes
+    if args.out is None:  # a smoke run must not overwrite the measurement docs/benchmarks.md quotes
         args.out = str(ROOT / "bench" / "results" / ("hf_trainer_quick.json" if args.quick else "hf_trainer.json"))
     if args.rounds < 1 or args.steps < 3:
         p.error("--rounds must be ≥ 1 and --steps ≥ 3")
@@ -371,6 +372,16 @@ def aggregate(rounds: list[dict]) -> dict:
     return agg
 
 
+def load_results() -> dict:
+    return json.loads((ROOT / "bench" / "results" / "hf_trainer.json").read_text())
+
+
+def tables(results: dict) -> dict[str, str]:
+    """The Markdown table of saved results (``--table``; bench/docs_tables.py)."""
+    first_round = {name: {"train_loss": results["train_loss"][name]} for name in NAMES}
+    return {"": markdown_table(results["aggregate"], [first_round])}
+
+
 def markdown_table(agg: dict, rounds: list[dict]) -> str:
     lines = ["| | step time (median) | × Trainer, per step | whole process | × Trainer, whole process | outside the steps | "
              "CPU, all ranks | × Trainer, CPU | final loss |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
@@ -425,6 +436,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.worker:
         return worker(args.worker, args.worker_out)
+    if args.table:
+        print(tables(json.loads(Path(args.out).read_text()))[""])
+        return
     os.environ["HF_HUB_OFFLINE"] = "1"  # nothing is downloaded, on either side
     if args.phases:  # train.py finds the probe's _target_ (hf_trainer.lightning_phase_probe) on the path
         os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "bench"), os.environ.get("PYTHONPATH")]))
@@ -463,9 +477,12 @@ def main(argv: list[str] | None = None) -> None:
     print(f"\nmodel: {model_desc}; {rounds[0]['parallelkit']['num_params']:,} parameters "
           f"(Trainer side: {rounds[0]['trainer']['num_params']:,})\n\n{table}\n")
     ok = same_length and check["max_abs_diff_first_10_steps"] <= args.loss_tol
-    print(f"loss check: max |Δ loss| over the first 10 steps {check['max_abs_diff_first_10_steps']:.2e} ({'OK' if ok else 'MISMATCH'}, "
-          f"tolerance {args.loss_tol:g}); over all {args.steps} steps {check['max_abs_diff']:.2e}, final losses "
-          f"{pk_losses[0][-1]:.4f} / {hf_losses[0][-1]:.4f}; identical in every round: parallelkit {check['parallelkit_reproducible']}, Trainer {check['trainer_reproducible']}")
+    print(
+        f"loss check: max |Δ loss| over the first 10 steps {check['max_abs_diff_first_10_steps']:.2e} ({'OK' if ok else 'MISMATCH'}, "
+        f"tolerance {args.loss_tol:g}); over all {args.steps} steps {check['max_abs_diff']:.2e}, final losses "
+        f"{pk_losses[0][-1]:.4f} / {hf_losses[0][-1]:.4f}; identical in every round: parallelkit {check['parallelkit_reproducible']}, "
+        f"Trainer {check['trainer_reproducible']}"
+    )
     bad = [(i, n, rec["exit_code"]) for i, rr in enumerate(rounds) for n, rec in rr.items() if rec["exit_code"] != 0]
     if bad:
         print(f"non-zero exit codes (round, contender, code): {bad}")

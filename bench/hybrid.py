@@ -17,7 +17,7 @@ that cut, and the table puts side by side, per layout:
     python bench/hybrid.py --steps 3                     # calibrate (~1 min), then every layout (~7 min on 2 cores)
     python bench/hybrid.py --hardware bench/results/hardware_calibrated.yaml   # reuse a profile
 
-Writes ``bench/results/hybrid.json`` (and the profile) and prints a Markdown table for the README.
+Writes ``bench/results/hybrid.json`` (and the profile) and prints a Markdown table (``--table``: of the saved results).
 """
 
 from __future__ import annotations
@@ -106,7 +106,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--steps", type=int, default=3, help="optimizer steps per layout (≥ 2: step time needs two)")
     p.add_argument("--hardware", type=Path, help="a calibrated profile to use instead of calibrating now")
     p.add_argument("--timeout", type=float, default=600)
+    p.add_argument("--table", action="store_true", help="print the table of bench/results/hybrid.json and exit (runs nothing)")
     args = p.parse_args(argv)
+    if args.table:
+        print(markdown(load_results()))
+        return
 
     from parallelkit.planner.auto import choose_layout
     from parallelkit.planner.hardware import load_profile
@@ -151,6 +155,15 @@ def main(argv: list[str] | None = None) -> None:
     out.write_text(json.dumps(results, indent=2))
     print(markdown(results))
     print(f"\nwrote {out}")
+
+
+def load_results() -> dict:
+    return json.loads((ROOT / "bench" / "results" / "hybrid.json").read_text())
+
+
+def tables(results: dict) -> dict[str, str]:
+    """The Markdown table of saved results, without the Spearman line (``--table``; bench/docs_tables.py)."""
+    return {"": "\n".join(line for line in markdown(results).splitlines() if line.startswith("|"))}
 
 
 def _kib(n: float) -> str:

@@ -8,7 +8,8 @@ For N = 2 and 4 ranks it runs ``train.py`` (``model=gpt``, the default size) wit
   stage 2 4Ψ+12Ψ/N, stage 3 16Ψ/N);
 * traffic: counted bytes sent per step and rank (at the algorithms gloo runs, its message headers included)
   beside the theory (DP and stages 1-2: 2(N−1)/N·4Ψ, stage 3: 1.5× that less one gather of the root unit,
-  which FSDP2 keeps gathered from forward into backward: :func:`theory_sent`), and the bytes that really left each process (``summary.json`` ``os_bytes_written``:
+  which FSDP2 keeps gathered from forward into backward: :func:`theory_sent`), and the bytes that really left each
+  process (``summary.json`` ``os_bytes_written``:
   the kernel's count of what the process handed to ``write``/``writev``, which gloo's TCP transport sends
   with), per step, from the difference of a long and a short run (which cancels start-up traffic and the
   files written). It is per process, so other jobs on the machine do not disturb it — unlike the loopback
@@ -121,7 +122,8 @@ def markdown(rows: list[dict]) -> str:
         return "-" if v is None else f"{v / 2**20:.2f}"
 
     lines = [
-        "| N | strategy | params | grads | optimizer | total MiB | formula MiB | measured / formula | sent MiB/step (counted) | theory | written by the process | written / theory |",
+        "| N | strategy | params | grads | optimizer | total MiB | formula MiB | measured / formula | sent MiB/step (counted) | theory "
+        "| written by the process | written / theory |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
@@ -131,6 +133,15 @@ def markdown(rows: list[dict]) -> str:
             f"{'-' if r.get('sent_written') is None else format(r['sent_written'] / r['sent_theory'], '.3f')} |"
         )
     return "\n".join(lines)
+
+
+def load_results() -> dict:
+    return json.loads((RESULTS / "memory.json").read_text())
+
+
+def tables(results: dict) -> dict[str, str]:
+    """The Markdown table of saved results (``--table``; docs/benchmarks.md, bench/docs_tables.py)."""
+    return {"": markdown(results["rows"])}
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -163,7 +174,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--steps", type=int, nargs=2, default=[2, 7], help="short and long run (their difference is the traffic of the extra steps)")
     parser.add_argument("--keep-other-ranks", action="store_true", help="keep saved parallelkit rows for ranks not measured now")
+    parser.add_argument("--table", action="store_true", help="print the table of bench/results/memory.json and exit (runs nothing)")
     args = parser.parse_args(argv)
+    if args.table:
+        print(tables(load_results())[""])
+        return
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     rows = measure(args.ranks, tuple(args.steps))
     previous = RESULTS / "memory.json"

@@ -43,6 +43,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--top-k", type=int, default=2)
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--global-batch-size", type=int, default=16)
+    parser.add_argument("--table", action="store_true", help="print the tables of the saved results and exit (runs nothing)")
     args = parser.parse_args(argv)
     if args.quick:
         args.rounds, args.steps = 1, 15
@@ -79,7 +80,10 @@ def formulas(args: argparse.Namespace, ep: int, capacity_factor: float, dropped:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    results: dict = {"args": vars(args), "capacity": {}, "speed": {"ep2": [], "ep1": []}}
+    if args.table:
+        print(markdown(json.loads((ROOT / "bench" / "results" / ("moe_quick.json" if args.quick else "moe.json")).read_text())))
+        return
+    results: dict = {"args": {k: v for k, v in vars(args).items() if k != "table"}, "capacity": {}, "speed": {"ep2": [], "ep1": []}}
     with tempfile.TemporaryDirectory(prefix="bench_moe_") as tmp:
         tmp_dir = Path(tmp)
         for cf in CAPACITY_FACTORS:
@@ -99,7 +103,9 @@ def main(argv: list[str] | None = None) -> None:
         for round_ in range(args.rounds):
             for ep in ((2, 1) if round_ % 2 == 0 else (1, 2)):
                 s = run_job(args, tmp_dir / f"speed{round_}_ep{ep}", ep=ep, capacity_factor=1.25)
-                results["speed"][f"ep{ep}"].append({"tokens_per_s": s["samples_per_s"] * args.seq_len, "step_time_s_median": s["step_time_s_median"], "final_loss": s["final_loss"]})
+                results["speed"][f"ep{ep}"].append(
+                    {"tokens_per_s": s["samples_per_s"] * args.seq_len, "step_time_s_median": s["step_time_s_median"], "final_loss": s["final_loss"]}
+                )
                 print(f"round {round_} ep={ep}: {s['samples_per_s'] * args.seq_len:,.0f} tokens/s", flush=True)
     add_ratios(results)
     out = ROOT / "bench" / "results" / ("moe_quick.json" if args.quick else "moe.json")
@@ -116,9 +122,19 @@ def add_ratios(results: dict) -> None:
     speed["ratio_ep2_over_ep1"] = statistics.median(ratios)
 
 
+def load_results() -> dict:
+    return json.loads((ROOT / "bench" / "results" / "moe.json").read_text())
+
+
+def tables(results: dict) -> dict[str, str]:
+    """The Markdown tables of saved results: ``capacity`` and ``speed`` (``--table``; bench/docs_tables.py)."""
+    return dict(zip(("capacity", "speed"), markdown(results).split("\n\n")))
+
+
 def markdown(results: dict) -> str:
     lines = [
-        "| capacity factor | dropped assignments | aux loss (mean) | final loss | all-to-all bytes/step/rank | routed-token formula | ratio | capacity formula | ratio |",
+        "| capacity factor | dropped assignments | aux loss (mean) | final loss | all-to-all bytes/step/rank | routed-token formula | ratio "
+        "| capacity formula | ratio |",
         "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for cf, r in results["capacity"].items():
@@ -133,7 +149,8 @@ def markdown(results: dict) -> str:
         "| experts | tokens/s (median) | × all local, per round: median (range) |",
         "|---|---:|---:|",
         f"| ep=2 (2 per rank, all-to-all) | {statistics.median(r['tokens_per_s'] for r in speed['ep2']):,.0f} | "
-        f"{speed['ratio_ep2_over_ep1']:.3f} ({min(speed['ratios_ep2_over_ep1']):.2f}–{max(speed['ratios_ep2_over_ep1']):.2f}, {len(speed['ratios_ep2_over_ep1'])} rounds) |",
+        f"{speed['ratio_ep2_over_ep1']:.3f} ({min(speed['ratios_ep2_over_ep1']):.2f}–{max(speed['ratios_ep2_over_ep1']):.2f}, "
+        f"{len(speed['ratios_ep2_over_ep1'])} rounds) |",
         f"| ep=1 (all 4 on every rank) | {statistics.median(r['tokens_per_s'] for r in speed['ep1']):,.0f} | 1.000 |",
     ]
     return "\n".join(lines)

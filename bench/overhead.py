@@ -22,7 +22,8 @@ per-step losses agree, which shows that the comparison is like for like.
     python bench/overhead.py --quick         # 2 rounds × 30 steps, a smoke run
     python bench/overhead.py --tty           # contenders write to a pseudo-terminal (live progress bars)
 
-Writes ``bench/results/overhead.json`` and prints a Markdown table for the README.
+Writes ``bench/results/overhead.json`` and prints the Markdown table of docs/benchmarks.md (``--table``: of the saved
+results; ``python bench/docs_tables.py`` writes it into the page).
 """
 
 from __future__ import annotations
@@ -70,10 +71,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=600, help="seconds before a job is killed")
     p.add_argument("--out", default=None, help="default: bench/results/overhead.json (overhead_quick.json with --quick)")
     p.add_argument("--keep", action="store_true", help="keep the run directories (printed at the end)")
+    p.add_argument("--table", action="store_true", help="print the table(s) of the saved results and exit (runs nothing)")
     args = p.parse_args(argv)
     if args.quick:
         args.rounds, args.steps = 2, 30
-    if args.out is None:  # a smoke run must not overwrite the measurement the README quotes
+    if args.out is None:  # a smoke run must not overwrite the measurement docs/benchmarks.md quotes
         args.out = str(ROOT / "bench" / "results" / ("overhead_quick.json" if args.quick else "overhead.json"))
     args.only = [c.strip() for c in args.only.split(",") if c.strip()]
     unknown = set(args.only) - set(CONTENDERS)
@@ -267,6 +269,15 @@ def aggregate(rounds: list[dict], names: list[str]) -> dict:
     return agg
 
 
+def load_results() -> dict:
+    return json.loads((ROOT / "bench" / "results" / "overhead.json").read_text())
+
+
+def tables(results: dict) -> dict[str, str]:
+    """The Markdown table of saved results (``--table``; bench/docs_tables.py)."""
+    return {"": markdown_table(results["aggregate"], list(results["aggregate"]))}
+
+
 def markdown_table(agg: dict, names: list[str]) -> str:
     lines = [
         "| | step time | × loop, per step | whole process | × loop, whole process | outside the steps | CPU, all ranks | × loop, CPU |",
@@ -285,6 +296,9 @@ def markdown_table(agg: dict, names: list[str]) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.table:
+        print(tables(json.loads(Path(args.out).read_text()))[""])
+        return
     names = [c for c in CONTENDERS if c in args.only]
     become_subreaper()
     run_root = Path(tempfile.mkdtemp(prefix="pk_overhead_"))

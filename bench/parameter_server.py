@@ -53,6 +53,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--rpc-only", action="store_true", help="only the RPC micro-benchmark (prints, writes nothing)")
     parser.add_argument("--rpc-seconds", type=float, default=1.5, help="timed pulls (and pushes) per batch size and layout")
+    parser.add_argument("--table", action="store_true", help="print the table(s) of the saved results and exit (runs nothing)")
     args = parser.parse_args(argv)
     if args.quick:
         args.steps, args.rpc_seconds = 20, 0.3
@@ -171,34 +172,65 @@ def rpc_benchmark(servers: int, clients: int, batch_sizes: list[int], seconds: f
 
 
 # ---------------------------------------------------------------------------------------------- tables
-def print_tables(result: dict) -> None:
-    jobs = result["training"]
-    if jobs:
-        print("\nIn training (sync unless stated; worker 0's pulls and pushes; 10^5 and 10^7 rows per field, same samples):\n")
-        print("| mode | servers × workers | ids / field | bytes/step/worker | ÷ U·(8+4D)·2 | U / step | pull rows/s | push rows/s | server rows = touched | table MiB on servers (dense MiB) | samples/s | val AUC (Bayes) |")
-        print("|---|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|")
-        for r in jobs:
+def load_results() -> dict:
+    return json.loads((ROOT / "bench" / "results" / "parameter_server.json").read_text())
+
+
+def tables(result: dict) -> dict[str, str]:
+    """The Markdown tables of saved results: ``training`` and ``rpc`` (``--table``; bench/docs_tables.py)."""
+    out = {}
+    if result["training"]:
+        lines = [
+            "| mode | servers × workers | ids / field | bytes/step/worker | ÷ U·(8+4D)·2 | U / step | pull rows/s | push rows/s | server rows = touched "
+            "| table MiB on servers (dense MiB) | samples/s | val AUC (Bayes) |",
+            "|---|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|",
+        ]
+        for r in result["training"]:
             mode = "geo (k=5)" if r["mode"] == "geo" else r["mode"]
-            print(
-                f"| {mode} | {r['servers']} × {r['workers']} | 10^{len(str(r['rows_per_field'])) - 1} | {r['bytes_per_step'] / 1024:,.1f} KiB | {r['bytes_ratio']:.3f} "
+            lines.append(
+                f"| {mode} | {r['servers']} × {r['workers']} | 10^{len(str(r['rows_per_field'])) - 1} | {r['bytes_per_step'] / 1024:,.1f} KiB "
+                f"| {r['bytes_ratio']:.3f} "
                 f"| {r['unique_ids_per_step']:,.0f} | {r['pull_rows_per_s']:,.0f} | {r['push_rows_per_s']:,.0f} "
                 f"| {r['server_rows']:,} = {r['unique_ids_touched']:,} | {r['server_allocated_bytes'] / 2**20:.1f} ({r['dense_table_bytes'] / 2**20:,.0f}) "
                 f"| {r['samples_per_s']:,.0f} | {r['val_auc']:.4f} ({r['bayes_auc']:.4f}) |"
             )
+        out["training"] = "\n".join(lines)
     if result["rpc"]:
-        print("\nThe RPC path alone (async, rows created beforehand, TensorPipe on one host):\n")
-        print("| servers × clients | ids / request | pull rows/s per client | push rows/s per client | rows/s all clients (pull + push) | pull ms / request | push ms / request |")
-        print("|---|---:|---:|---:|---:|---:|---:|")
+        lines = [
+            "| servers × clients | ids / request | pull rows/s per client | push rows/s per client | rows/s all clients (pull + push) | pull ms / request "
+            "| push ms / request |",
+            "|---|---:|---:|---:|---:|---:|---:|",
+        ]
         for r in result["rpc"]:
-            print(
+            lines.append(
                 f"| {r['servers']} × {r['clients']} | {r['batch']:,} | {r['pull_rows_per_s_per_client']:,.0f} | {r['push_rows_per_s_per_client']:,.0f} "
                 f"| {r['rows_per_s_all_clients']:,.0f} | {r['pull_ms_per_request']:.2f} | {r['push_ms_per_request']:.2f} |"
             )
+        out["rpc"] = "\n".join(lines)
+    return out
+
+
+def print_tables(result: dict) -> None:
+    captions = {"training": "In training (sync unless stated; worker 0's pulls and pushes; 10^5 and 10^7 rows per field, same samples):",
+                "rpc": "The RPC path alone (async, rows created beforehand, TensorPipe on one host):"}
+    for name, table in tables(result).items():
+        print(f"\n{captions[name]}\n\n{table}")
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    result: dict = {"steps": args.steps, "global_batch_size": 256, "embedding_dim": DIM, "num_fields": FIELDS, "values_per_field": VALUES, "training": [], "rpc": []}
+    if args.table:
+        print_tables(json.loads((ROOT / "bench" / "results" / ("parameter_server_quick.json" if args.quick else "parameter_server.json")).read_text()))
+        return
+    result: dict = {
+        "steps": args.steps,
+        "global_batch_size": 256,
+        "embedding_dim": DIM,
+        "num_fields": FIELDS,
+        "values_per_field": VALUES,
+        "training": [],
+        "rpc": [],
+    }
     if not args.rpc_only:
         with tempfile.TemporaryDirectory(prefix="bench_ps_") as tmp:
             for i, (space, mode, servers, workers) in enumerate(training_jobs(args.quick)):

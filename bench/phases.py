@@ -104,7 +104,9 @@ def main(argv: list[str] | None = None) -> None:
             print(f"| {key} | " + " | ".join(cells) + " |")
     out = Path(ns.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"config": vars(ns), "commands": {k: " ".join(v[1:]) for k, v in cmds.items()}, "medians": medians, "rounds": timelines}, indent=1))
+    out.write_text(
+        json.dumps({"config": vars(ns), "commands": {k: " ".join(v[1:]) for k, v in cmds.items()}, "medians": medians, "rounds": timelines}, indent=1)
+    )
     print(f"\nwrote {out}")
 
 

@@ -38,7 +38,15 @@ def final_losses(steps: int) -> dict[str, float]:
     with tempfile.TemporaryDirectory() as tmp:
         for name, extra in variants.items():
             run_dir = Path(tmp) / name
-            args = ["strategy=ddp", "trainer.devices=2", f"trainer.max_steps={steps}", "trainer.enable_progress_bar=false", "checkpoint.every_n_steps=0", f"hydra.run.dir={run_dir}", *extra]
+            args = [
+                "strategy=ddp",
+                "trainer.devices=2",
+                f"trainer.max_steps={steps}",
+                "trainer.enable_progress_bar=false",
+                "checkpoint.every_n_steps=0",
+                f"hydra.run.dir={run_dir}",
+                *extra,
+            ]
             proc = subprocess.run([sys.executable, str(REPO / "train.py"), *args], capture_output=True, text=True, timeout=3600)
             if proc.returncode:
                 raise SystemExit(f"{name} failed:\n{proc.stderr[-3000:]}")
@@ -93,29 +101,65 @@ def interleaved_times(models: dict[str, GPT], idx: torch.Tensor, rounds: int) ->
     return {k: statistics.median(v) for k, v in times.items()}
 
 
+PRECISION_LABELS = {"fp32": "fp32", "bf16": "`amp` bf16", "fp16": "`amp` fp16 (dynamic loss scaling)"}
+
+
+def load_results() -> dict:
+    return json.loads((RESULTS / "precision_memory.json").read_text())
+
+
+def tables(result: dict) -> dict[str, str]:
+    """The Markdown tables of saved results: ``precision`` (when trained) and ``recompute`` (``--table``;
+    bench/docs_tables.py)."""
+    out = {}
+    if "precision" in result:
+        lines = ["| precision | final train loss | vs fp32 | val loss |", "|---|---:|---:|---:|"]
+        for name, r in result["precision"].items():
+            lines.append(f"| {PRECISION_LABELS.get(name, name)} | {r['final_loss']:.4f} | {r['ratio_to_fp32']:.3f} | {r['val_loss']:.4f} |")
+        out["precision"] = "\n".join(lines)
+    lines = ["| recompute | saved activations per step | vs none | fwd+bwd time vs none |", "|---|---:|---:|---:|"]
+    for mode, r in result["recompute"].items():
+        lines.append(f"| {mode} | {r['saved_bytes'] / 2**20:.2f} MiB | {r['saved_ratio']:.2f} | {r['time_ratio']:.2f} |")
+    out["recompute"] = "\n".join(lines)
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=300, help="training steps for the loss comparison")
     parser.add_argument("--batch", type=int, default=16, help="micro-batch of the in-process measurements")
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--skip-training", action="store_true")
+    parser.add_argument("--table", action="store_true", help="print the table(s) of the saved results and exit (runs nothing)")
     args = parser.parse_args(argv)
+    if args.table:
+        print("\n\n".join(tables(load_results()).values()))
+        return
     torch.set_num_threads(1)
     idx = _batch(args.batch)
-    result: dict = {"config": vars(args)}
+    result: dict = {"config": {k: v for k, v in vars(args).items() if k != "table"}}
 
     recompute = {mode: _model(mode) for mode in ("none", "selective", "full")}
     result["recompute"] = {mode: {"saved_bytes": saved_bytes(m, idx)} for mode, m in recompute.items()}
     times = interleaved_times(recompute, idx, args.rounds)
     for mode in recompute:
-        result["recompute"][mode].update(step_s=times[mode], time_ratio=times[mode] / times["none"], saved_ratio=result["recompute"][mode]["saved_bytes"] / result["recompute"]["none"]["saved_bytes"])
+        result["recompute"][mode].update(
+            step_s=times[mode],
+            time_ratio=times[mode] / times["none"],
+            saved_ratio=result["recompute"][mode]["saved_bytes"] / result["recompute"]["none"]["saved_bytes"],
+        )
 
     compile_start = time.perf_counter()
     compiled = _model(compiled=True)
     step_time(compiled, idx)
     compile_s = time.perf_counter() - compile_start
     times = interleaved_times({"eager": _model(), "compiled": compiled}, idx, args.rounds)
-    result["compile"] = {"eager_step_s": times["eager"], "compiled_step_s": times["compiled"], "speedup": times["eager"] / times["compiled"], "first_step_with_compile_s": compile_s}
+    result["compile"] = {
+        "eager_step_s": times["eager"],
+        "compiled_step_s": times["compiled"],
+        "speedup": times["eager"] / times["compiled"],
+        "first_step_with_compile_s": compile_s,
+    }
 
     if not args.skip_training:
         losses = final_losses(args.steps)
@@ -125,15 +169,12 @@ def main(argv: list[str] | None = None) -> None:
 
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "precision_memory.json").write_text(json.dumps(result, indent=2))
-    print("\n| recompute | saved activations MiB / step | vs none | fwd+bwd time vs none |\n|---|---|---|---|")
-    for mode, r in result["recompute"].items():
-        print(f"| {mode} | {r['saved_bytes'] / 2**20:.2f} | {r['saved_ratio']:.2f} | {r['time_ratio']:.2f} |")
+    print("\n" + "\n\n".join(tables(result).values()))
     c = result["compile"]
-    print(f"\n| eager | compiled | speed-up | first step incl. compile |\n|---|---|---|---|\n| {c['eager_step_s'] * 1e3:.1f} ms | {c['compiled_step_s'] * 1e3:.1f} ms | {c['speedup']:.2f}× | {c['first_step_with_compile_s']:.0f} s |")
-    if "precision" in result:
-        print("\n| precision | final train loss | vs fp32 | val loss |\n|---|---|---|---|")
-        for name, r in result["precision"].items():
-            print(f"| {name} | {r['final_loss']:.4f} | {r['ratio_to_fp32']:.4f} | {r['val_loss']:.4f} |")
+    print(
+        f"\n| eager | compiled | speed-up | first step incl. compile |\n|---|---|---|---|\n| {c['eager_step_s'] * 1e3:.1f} ms "
+        f"| {c['compiled_step_s'] * 1e3:.1f} ms | {c['speedup']:.2f}× | {c['first_step_with_compile_s']:.0f} s |"
+    )
 
 
 if __name__ == "__main__":

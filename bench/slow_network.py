@@ -243,6 +243,15 @@ def report(all_results: dict) -> list[str]:
     return lines
 
 
+def load_results() -> dict:
+    return json.loads((RESULTS / "slow_network.json").read_text())
+
+
+def tables(results: dict) -> dict[str, str]:
+    """The Markdown table of saved results (``--table``; bench/docs_tables.py)."""
+    return {"": "\n".join(report(results["results"]))}
+
+
 def plot(all_results: dict, path: Path) -> None:
     import matplotlib
 
@@ -286,6 +295,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--inside", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--link", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
+    p.add_argument("--table", action="store_true", help="print the table(s) of the saved results and exit (runs nothing)")
     return p.parse_args(argv)
 
 
@@ -293,13 +303,16 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.inside:
         return inside(args)
+    if args.table:
+        print(tables(json.loads((RESULTS / f"slow_network{args.tag}.json").read_text()))[""])
+        return
     reason = namespaces_refused()
     if reason:
         print(f"slow_network: no throttled link can be built here, so no numbers: {reason}")
         return
     all_results, checks = {}, {}
     forwarded = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
-                 if k not in ("links", "inside", "link", "out") and v is not None]
+                 if k not in ("links", "inside", "link", "out", "table") and v is not None]
     with tempfile.TemporaryDirectory(prefix="slow_network_") as tmp:
         for link in args.links.split(","):
             out = Path(tmp) / f"{link}.json"

@@ -16,7 +16,8 @@ median of each and its ratio to ``zero``'s (the median of the per-round ratios, 
     python bench/startup_time.py                 # 3 rounds, about 3 minutes on 2 cores
     python bench/startup_time.py --rounds 1      # a smoke run
 
-Writes ``bench/results/startup_time.json`` and prints a Markdown table for the README.
+Writes ``bench/results/startup_time.json`` and prints the Markdown table of docs/benchmarks.md (``--table``: of the
+saved results; ``python bench/docs_tables.py`` writes it into the page).
 """
 
 from __future__ import annotations
@@ -72,12 +73,35 @@ def run_once(strategy: str, extensions_dir: Path, run_dir: Path, timeout_s: floa
     return {"first_step_s": float(stamp.group(1)) - start, "wall_s": wall, "extensions_built": built}
 
 
+def markdown(table: list[dict]) -> str:
+    lines = ["| start-up (2 ranks, default GPT, stage 2) | to the first step (median) | × zero | whole job (3 steps) | ops compiled |",
+             "|---|---:|---:|---:|---|"]
+    for row in table:
+        low, high = row["ratio_range"]
+        lines.append(f"| {row['contender']} | {row['first_step_s_median']:.1f} s | {row['ratio_median']:.2f} ({low:.2f}–{high:.2f}) | "
+                     f"{row['wall_s_median']:.1f} s | {', '.join(row['extensions_built']) or 'none'} |")
+    return "\n".join(lines)
+
+
+def load_results() -> dict:
+    return json.loads((ROOT / "bench" / "results" / "startup_time.json").read_text())
+
+
+def tables(results: dict) -> dict[str, str]:
+    """The Markdown table of saved results (``--table``; bench/docs_tables.py)."""
+    return {"": markdown(results["table"])}
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per job (a cold DeepSpeed build took ~65 s)")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "startup_time.json")
+    parser.add_argument("--table", action="store_true", help="print the table(s) of the saved results and exit (runs nothing)")
     args = parser.parse_args(argv)
+    if args.table:
+        print(tables(json.loads(args.out.read_text()))[""])
+        return
 
     results: dict[str, list[dict]] = {"zero": [], "deepspeed (cold)": [], "deepspeed (warm)": []}
     with tempfile.TemporaryDirectory(prefix="pk_startup_") as tmp:
@@ -101,12 +125,7 @@ def main(argv: list[str] | None = None) -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"machine": platform.node(), "cpus": os.cpu_count(), "rounds": args.rounds,
                                     "date": time.strftime("%Y-%m-%d"), "table": table, "runs": results}, indent=2) + "\n")
-    print("\n| start-up (2 ranks, default GPT, stage 2) | to the first step (median) | × zero | whole job (3 steps) | ops compiled |")
-    print("|---|---:|---:|---:|---|")
-    for row in table:
-        low, high = row["ratio_range"]
-        print(f"| {row['contender']} | {row['first_step_s_median']:.1f} s | {row['ratio_median']:.2f} ({low:.2f}–{high:.2f}) | "
-              f"{row['wall_s_median']:.1f} s | {', '.join(row['extensions_built']) or 'none'} |")
+    print("\n" + markdown(table))
 
 
 if __name__ == "__main__":

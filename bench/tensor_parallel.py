@@ -15,7 +15,7 @@ losses equal ``strategy=single``'s.
     python bench/tensor_parallel.py --quick      # tp = 2 only, 5 steps
 
 Writes ``bench/results/tensor_parallel.json`` (``tensor_parallel_quick.json`` with ``--quick``) and prints a
-Markdown table for the README.
+Markdown table of docs/benchmarks.md (``--table``: of the saved results; ``python bench/docs_tables.py`` writes it into the page).
 """
 
 from __future__ import annotations
@@ -48,6 +48,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--global-batch-size", type=int, default=32)
     p.add_argument("--quick", action="store_true", help="tp = 2 only, 5 steps")
     p.add_argument("--timeout", type=float, default=600)
+    p.add_argument("--table", action="store_true", help="print the table(s) of the saved results and exit (runs nothing)")
     args = p.parse_args(argv)
     if args.quick:
         args.steps = 5
@@ -92,8 +93,11 @@ def split_parameter_bytes(args: argparse.Namespace, vocab_size: int) -> tuple[in
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.table:
+        print(markdown(json.loads((ROOT / "bench" / "results" / ("tensor_parallel_quick.json" if args.quick else "tensor_parallel.json")).read_text())))
+        return
     layouts = LAYOUTS[:1] if args.quick else LAYOUTS
-    results: dict = {"workload": {k: v for k, v in vars(args).items() if k != "timeout"}, "layouts": []}
+    results: dict = {"workload": {k: v for k, v in vars(args).items() if k not in ("timeout", "table")}, "layouts": []}
     with tempfile.TemporaryDirectory(prefix="pk_bench_tp_") as tmp:
         single = train(args, Path(tmp) / "single", ["strategy=single"], 1)
         for index, (label, overrides, devices) in enumerate(layouts):
@@ -136,6 +140,15 @@ def _params_without_vocab(args: argparse.Namespace) -> int:
 
     model = GPT(vocab_size=1, block_size=args.seq_len, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd)
     return sum(p.numel() for p in model.parameters()) - 2 * args.n_embd
+
+
+def load_results() -> dict:
+    return json.loads((ROOT / "bench" / "results" / "tensor_parallel.json").read_text())
+
+
+def tables(results: dict) -> dict[str, str]:
+    """The Markdown table of saved results, without its caption (``--table``; bench/docs_tables.py)."""
+    return {"": "\n".join(line for line in markdown(results).splitlines() if line.startswith("|"))}
 
 
 def markdown(results: dict) -> str:

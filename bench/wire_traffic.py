@@ -20,7 +20,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests" / "integration"))
 
-from test_wire_traffic import CASES, STEPS, per_step, run
+from test_wire_traffic import CASES, STEPS, per_step, run  # noqa: E402 - importable once the path above is set
 
 
 def main(argv: list[str] | None = None) -> None:

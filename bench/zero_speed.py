@@ -45,11 +45,12 @@ numbers come from its ``summary.json`` (``parallelkit.callbacks.run_summary``, w
 - loss: the largest per-step |loss − DDP's loss| over rounds (all contenders train the same thing).
 
     python bench/zero_speed.py                        # 5 rounds × 50 steps, both models (~55 min on 2 cores)
-    python bench/zero_speed.py --rounds 3             # the README's table (~35 min)
+    python bench/zero_speed.py --rounds 3             # the table of docs/benchmarks.md (~35 min)
     python bench/zero_speed.py --models default       # the default GPT only
     python bench/zero_speed.py --quick                # 1 round × 6 steps, a smoke run (writes zero_speed_quick.json)
 
-Writes ``bench/results/zero_speed.json`` and prints a Markdown table per model for the README.
+Writes ``bench/results/zero_speed.json`` and prints a Markdown table per model for docs/benchmarks.md
+(``--table``: of the saved results; ``python bench/docs_tables.py`` writes them into the page).
 """
 
 from __future__ import annotations
@@ -106,10 +107,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--keep", action="store_true", help="keep the run directories (printed at the end)")
     p.add_argument("--gathered-only", action="store_true",
                    help="only measure the stage-3 gathered-parameter peaks again and merge them into --out's results")
+    p.add_argument("--table", action="store_true", help="print the table(s) of the saved results and exit (runs nothing)")
     args = p.parse_args(argv)
     if args.quick:
         args.rounds, args.steps = 1, 6
-    if args.out is None:  # a smoke run must not overwrite the measurement the README quotes
+    if args.out is None:  # a smoke run must not overwrite the measurement docs/benchmarks.md quotes
         args.out = str(ROOT / "bench" / "results" / ("zero_speed_quick.json" if args.quick else "zero_speed.json"))
     args.models = [m.strip() for m in args.models.split(",") if m.strip()]
     args.only = [c.strip() for c in args.only.split(",") if c.strip()]
@@ -238,7 +240,10 @@ def gathered_peaks(model: dict, names: list[str], args: argparse.Namespace, root
 def gathered_line(peaks: dict) -> str:
     if not peaks:
         return ""
-    mib = lambda n: f"{n / 2**20:.2f} MiB"
+
+    def mib(n: float) -> str:
+        return f"{n / 2**20:.2f} MiB"
+
     units = next(iter(peaks.values()))["unit_full_bytes"]
     root = next(v for k, v in units.items() if k.endswith("(root)"))
     block = max(v for k, v in units.items() if not k.endswith("(root)"))
@@ -248,14 +253,19 @@ def gathered_line(peaks: dict) -> str:
 
 
 def markdown(model_name: str, model: dict, num_params: int, agg: dict, checks: list[dict], names: list[str], args: argparse.Namespace) -> str:
-    mib = lambda n: f"{n / 2**20:,.2f}"
+    def mib(n: float) -> str:
+        return f"{n / 2**20:,.2f}"
+
     shape = " ".join(f"{k}={v}" for k, v in model.items())
     lines = [
-        (f"**{model_name}** GPT ({shape}, {num_params / 1e6:.2f} M parameters), {args.devices} ranks (gloo), "
-         f"{args.rounds} rounds × {args.steps} steps, {args.threads} thread(s) per rank. Targets: stage 3 ≤ 1.40× DDP, "
-         "stages 1–2 ≤ 1.05×, parallelkit faster than DeepSpeed's and FSDP2's defaults at every stage."),
+        (
+            f"**{model_name}** GPT ({shape}, {num_params / 1e6:.2f} M parameters), {args.devices} ranks (gloo), "
+            f"{args.rounds} rounds × {args.steps} steps, {args.threads} thread(s) per rank. Targets: stage 3 ≤ 1.40× DDP, "
+            "stages 1–2 ≤ 1.05×, parallelkit faster than DeepSpeed's and FSDP2's defaults at every stage."
+        ),
         "",
-        "| contender | step time | × DDP (range) | model state MiB: params / grads / optimizer (total), max rank | peak RSS MiB, max rank | max \\|Δ loss\\| vs DDP |",
+        "| contender | step time | × DDP (range) | model state MiB: params / grads / optimizer (total), max rank | peak RSS MiB, max rank "
+        "| max \\|Δ loss\\| vs DDP |",
         "|---|---:|---:|---:|---:|---:|",
     ]
     for name in names:
@@ -270,6 +280,22 @@ def markdown(model_name: str, model: dict, num_params: int, agg: dict, checks: l
         lines.append("")
         lines.append("Targets: " + "; ".join(f"{c['target']}: {c['value']:.3f} ({'met' if c['met'] else 'NOT met'})" for c in checks) + ".")
     return "\n".join(lines)
+
+
+def load_results() -> dict:
+    return json.loads((ROOT / "bench" / "results" / "zero_speed.json").read_text())
+
+
+def tables(results: dict) -> dict[str, str]:
+    """Per model, what the run printed, rendered again from the saved aggregates (``--table``; bench/docs_tables.py)."""
+    args = argparse.Namespace(**results["config"])
+    out = {}
+    for model_name, saved in results["models"].items():
+        out[model_name] = markdown(model_name, saved["shape"], saved["num_params"], saved["aggregate"], saved["targets"],
+                                   list(saved["aggregate"]), args)
+        if saved.get("gathered_peaks"):
+            out[model_name] += "\n\n" + gathered_line(saved["gathered_peaks"])
+    return out
 
 
 def merge_gathered(args: argparse.Namespace, names: list[str]) -> None:
@@ -289,6 +315,9 @@ def merge_gathered(args: argparse.Namespace, names: list[str]) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.table:
+        print("\n\n".join(tables(json.loads(Path(args.out).read_text())).values()))
+        return
     names = [c for c in CONTENDERS if c in args.only]
     if args.gathered_only:
         merge_gathered(args, names)
@@ -303,7 +332,7 @@ def main(argv: list[str] | None = None) -> None:
         "machine": {"platform": platform.platform(), "python": platform.python_version(), "cpus": len(os.sched_getaffinity(0))},
         "models": {},
     }
-    tables = []
+    printed = []
     for model_name in args.models:
         model = MODELS[model_name]
         rounds: list[dict] = []
@@ -324,7 +353,7 @@ def main(argv: list[str] | None = None) -> None:
         table = markdown(model_name, model, num_params, agg, checks, names, args)
         if peaks:
             table += "\n\n" + gathered_line(peaks)
-        tables.append(table)
+        printed.append(table)
         results["models"][model_name] = {
             "shape": model, "num_params": num_params,
             "commands": {name: " ".join(command(name, model, args, run_root / model_name / "r0" / name)[1:]) for name in names},
@@ -333,7 +362,7 @@ def main(argv: list[str] | None = None) -> None:
             "markdown": table,
         }
     print()
-    print("\n\n".join(tables))
+    print("\n\n".join(printed))
     bad = [(m, r_i, n, rec["exit_code"]) for m, res in results["models"].items() for r_i, rr in enumerate(res["rounds"])
            for n, rec in rr.items() if rec["exit_code"] != 0]
     if bad:

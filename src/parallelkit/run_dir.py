@@ -72,8 +72,6 @@ def write_atomically(path: str | os.PathLike, write: Callable[[IO[bytes]], Any])
 def checkpoint_step(path: str | os.PathLike) -> int | None:
     """The optimizer step a checkpoint was saved at: a file, a sharded directory (``meta.pt``) or a DeepSpeed
     directory (``<tag>/*model_states.pt``); ``None`` if it cannot be read."""
-    import torch
-
     path = Path(path)
     if path.is_dir():
         candidates = [path / "meta.pt", *sorted(path.glob("*/*model_states.pt"))]

@@ -88,7 +88,9 @@ def _collectives(rank: int, world: int) -> dict:
         sub = torch.randn(100_000)
         results["subgroup_all_reduce"] = _measure(stats, "sub", lambda: (stats.record("sub", sub, "all_reduce", group), dist.all_reduce(sub, group=group)))
         leader = rank - rank % 2
-        results["subgroup_reduce"] = _measure(stats, "subr", lambda: (stats.record("subr", sub, "reduce", group, root=leader), dist.reduce(sub, dst=leader, group=group)))
+        results["subgroup_reduce"] = _measure(
+            stats, "subr", lambda: (stats.record("subr", sub, "reduce", group, root=leader), dist.reduce(sub, dst=leader, group=group))
+        )
     else:
         dist.barrier(), dist.barrier(), dist.barrier(), dist.barrier()
     # phases: validation traffic is kept apart from the training figure

@@ -245,7 +245,7 @@ def test_resume_mid_outer_step_reproduces_the_uninterrupted_run(runs, name):
     (dict(inner_steps=0), r"inner_steps should be an int >= 1\. Got 0"),
     (dict(inner_steps=4, fragments=3), r"fragments \(3\) should divide inner_steps \(4\)"),
     (dict(inner_steps=4, fragments=2, overlap_steps=2), r"overlap_steps \(2\) should be < inner_steps / fragments \(2\)"),
-    (dict(outer_dtype="int8"), "outer_dtype should be one of"),
+    (dict(outer_dtype="int4"), "outer_dtype should be one of"),
     (dict(outer_momentum=1.0), r"outer_momentum should be in \[0, 1\)"),
     (dict(outer_momentum=0.0), "nesterov=true needs outer_momentum > 0"),
     (dict(mix=1.5), r"mix should be in \[0, 1\]"),

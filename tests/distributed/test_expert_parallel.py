@@ -39,7 +39,17 @@ RTOL, ATOL = 1e-5, 1e-6
 
 def _model(capacity_factor: float, top_k: int = TOP_K, idle_experts: bool = False) -> MoEGPT:
     torch.manual_seed(SEED)
-    model = MoEGPT(vocab_size=VOCAB, block_size=SEQ, n_layer=LAYERS, n_head=2, n_embd=EMBD, num_experts=EXPERTS, top_k=top_k, capacity_factor=capacity_factor, aux_loss_weight=0.05)
+    model = MoEGPT(
+        vocab_size=VOCAB,
+        block_size=SEQ,
+        n_layer=LAYERS,
+        n_head=2,
+        n_embd=EMBD,
+        num_experts=EXPERTS,
+        top_k=top_k,
+        capacity_factor=capacity_factor,
+        aux_loss_weight=0.05,
+    )
     if idle_experts:  # top-1 routing that never picks experts 2 and 3: their rank computes nothing
         with torch.no_grad():
             for layer in model.moe_layers().values():

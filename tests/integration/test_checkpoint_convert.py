@@ -133,18 +133,44 @@ def test_deepspeed_directory_is_inspected_and_converted_to_its_parameters_and_ad
     assert not (tmp_path / "o").exists()
 
 
+INTERLEAVED = ["strategy=pp", "strategy.pp=2", "strategy.microbatches=2", "strategy.schedule=interleaved_1f1b", "trainer.devices=2"]
+MOE = ["model=moe_gpt", "model.num_experts=4", "model.top_k=2", "model.capacity_factor=2.0"]  # no token dropped
+
+
 @pytest.mark.slow
-def test_interleaved_pipeline_converts_to_a_sharded_directory_but_not_yet_to_one_file(tmp_path):
-    """An interleaved schedule's ranks save groups of two stages each: one file is refused (the parameters' order
-    needs the model), a sharded directory continues under tp as the pipeline directory itself does, bit for bit."""
-    layout = ["strategy=pp", "strategy.pp=2", "strategy.microbatches=2", "strategy.schedule=interleaved_1f1b", "trainer.devices=2"]
-    small = [*BASE, "model.n_layer=4"]
-    run_ok([*small, *layout, "trainer.max_steps=7"], tmp_path / "ppi")
-    ckpt = tmp_path / "ppi" / "checkpoints" / "last.ckpt"
-    refused = cli("convert", str(ckpt), str(tmp_path / "one.ckpt"), "strategy=single")
-    assert refused.returncode == 2 and "not yet convertible to one file" in refused.stderr, refused.stderr
-    done = cli("convert", str(ckpt), str(tmp_path / "sharded"), *TP)
+@pytest.mark.parametrize("source", ["interleaved_pp", "ep2"])
+def test_stage_and_expert_grouped_directories_convert_to_one_file_and_a_sharded_directory(source, tmp_path):
+    """An interleaved schedule's ranks save groups of two stages each, expert parallel ranks their own experts' groups:
+    their lists lose the single-device order a one-file checkpoint numbers the optimizer state by, which the model
+    records in every checkpoint. The converted file continues under ``strategy=single`` exactly as the directory itself
+    does (read whole by one process), and within tolerance of single's own uninterrupted run; the sharded conversion
+    under tp as the directory does, bit for bit. Negative control: the directory without the recorded order is refused
+    (``not yet convertible``), as every directory written before the order was recorded."""
+    import shutil
+
+    small = [*BASE, "model.n_layer=4", *(MOE if source == "ep2" else [])]
+    layout = INTERLEAVED if source == "interleaved_pp" else ["strategy=moe", "strategy.ep=2", "trainer.devices=2"]
+    reference = run_ok([*small, "strategy=single", "trainer.max_steps=14"], tmp_path / "single")
+    run_ok([*small, *layout, "trainer.max_steps=7"], tmp_path / "src")
+    ckpt = tmp_path / "src" / "checkpoints" / "last.ckpt"
+    one_file = tmp_path / "one.ckpt"
+    done = cli("convert", str(ckpt), str(one_file), "strategy=single")
     assert done.returncode == 0, done.stderr[-3000:]
-    direct = run_ok([*small, *TP, "trainer.max_steps=14", f"ckpt_path={ckpt}"], tmp_path / "direct")
-    converted = run_ok([*small, *TP, "trainer.max_steps=14", f"ckpt_path={tmp_path / 'sharded'}"], tmp_path / "converted")
+    direct = run_ok([*small, "strategy=single", "trainer.max_steps=14", f"ckpt_path={ckpt}"], tmp_path / "direct")
+    converted = run_ok([*small, "strategy=single", "trainer.max_steps=14", f"ckpt_path={one_file}"], tmp_path / "converted")
     assert converted["train_loss"] == direct["train_loss"]
+    assert max_rel_diff(reference["train_loss"][7:], converted["train_loss"][7:]) <= REL_TOL, (reference["train_loss"], converted["train_loss"])
+    if source == "interleaved_pp":
+        done = cli("convert", str(ckpt), str(tmp_path / "sharded"), *TP)
+        assert done.returncode == 0, done.stderr[-3000:]
+        direct = run_ok([*small, *TP, "trainer.max_steps=14", f"ckpt_path={ckpt}"], tmp_path / "tp_direct")
+        converted = run_ok([*small, *TP, "trainer.max_steps=14", f"ckpt_path={tmp_path / 'sharded'}"], tmp_path / "tp_converted")
+        assert converted["train_loss"] == direct["train_loss"]
+    old = tmp_path / "old.ckpt"  # negative control: as written before the order was recorded
+    shutil.copytree(ckpt, old)
+    meta = torch.load(old / "meta.pt", weights_only=False)
+    del meta["parallelkit_param_order"]
+    torch.save(meta, old / "meta.pt")
+    refused = cli("convert", str(old), str(tmp_path / "old_one.ckpt"), "strategy=single")
+    assert refused.returncode == 2 and "not yet convertible to one file" in refused.stderr, refused.stderr
+    assert not (tmp_path / "old_one.ckpt").exists()

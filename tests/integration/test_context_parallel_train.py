@@ -131,20 +131,20 @@ def test_plan_naming_a_module_without_attention_is_refused(tmp_path):
     assert "computed attention without F.scaled_dot_product_attention" in proc.stderr, proc.stderr[-3000:]
 
 
-def text(inputs: dict) -> list[str]:
+def text(files: dict) -> list[str]:
     """The issue's command reads text: a .jsonl of documents and a local byte-level BPE tokenizer (vocabulary 500)."""
-    return ["data=text", f"data.files=[{inputs['jsonl']}]", f"data.tokenizer={inputs['tok']}"]
+    return ["data=text", f"data.files=[{files['jsonl']}]", f"data.tokenizer={files['tok']}"]
 
 
 @pytest.fixture(scope="module")
-def llama_single(tmp_path_factory, inputs) -> dict:
+def llama_single(tmp_path_factory, inputs) -> dict:  # noqa: F811 - the fixture imported above
     return run_ok([*LLAMA, *text(inputs), "strategy=single"], tmp_path_factory.mktemp("cp_llama_single") / "run")
 
 
 @pytest.mark.parametrize("extra", [["strategy.cp=2", "strategy.tp=2", "trainer.devices=4"],
                                    ["strategy.cp=2", "strategy.cp_mode=ulysses", "trainer.devices=2"]],
                          ids=["cp2_tp2_ring", "cp2_ulysses"])
-def test_llama_with_context_parallel_reproduces_single(extra, llama_single, inputs, tmp_path):
+def test_llama_with_context_parallel_reproduces_single(extra, llama_single, inputs, tmp_path):  # noqa: F811 - the fixture
     """The issue's command: Llama (GQA: 4 heads, 2 key/value heads; rotary positions) on text with cp=2 × tp=2."""
     run = run_ok([*LLAMA, *text(inputs), "strategy=hybrid4d", "strategy.pp=1", "strategy.tp=1", *extra], tmp_path / "run")
     assert max_rel_diff(llama_single["train_loss"], run["train_loss"]) <= REL_TOL

@@ -202,7 +202,9 @@ def test_elastic_job_shrinks_to_one_agent_and_grows_back(tmp_path):
     # the elastic workers' one thread per rank (a lone warm-launched rank would use both cores: other round-off).
     ref_env = {**ENV, "OMP_NUM_THREADS": "1"}
     shrink_ref = run_ok([*ARGS, "trainer.devices=1", f"ckpt_path='{checkpoints / 'epoch=0-step=10.ckpt'}'"], tmp_path / "shrink_ref", env=ref_env, cold=True)
-    grow_ref = run_ok([*ARGS, "trainer.devices=2", f"ckpt_path='{checkpoints / f'epoch=0-step={grown_at}.ckpt'}'"], tmp_path / "grow_ref", env=ref_env, cold=True)
+    grow_ref = run_ok(
+        [*ARGS, "trainer.devices=2", f"ckpt_path='{checkpoints / f'epoch=0-step={grown_at}.ckpt'}'"], tmp_path / "grow_ref", env=ref_env, cold=True
+    )
     assert elastic["train_loss"][10:grown_at] == shrink_ref["train_loss"][10:grown_at]  # at 1 rank, bit for bit
     assert elastic["train_loss"][grown_at:] == grow_ref["train_loss"][grown_at:]  # back at 2 ranks
     assert elastic["train_loss"] == grow_ref["train_loss"]  # the loss history came along too
@@ -224,7 +226,13 @@ def test_elastic_job_shrinks_to_one_agent_and_grows_back(tmp_path):
 def test_an_explicit_dp_follows_a_smaller_world_and_tp_stays(tmp_path):
     """hybrid4d dp2×tp2 (4 ranks) lost half its ranks: the same command line under torchrun at 2 processes runs
     dp1×tp2 (one log line says so) from the 4-rank checkpoint, equal to ``strategy.dp=1`` started by hand."""
-    base = [*(a for a in ARGS if a != "strategy=ddp" and not a.startswith("trainer.max_steps=")), "trainer.max_steps=14", "strategy=hybrid4d", "strategy.tp=2", "strategy.pp=1"]
+    base = [
+        *(a for a in ARGS if a != "strategy=ddp" and not a.startswith("trainer.max_steps=")),
+        "trainer.max_steps=14",
+        "strategy=hybrid4d",
+        "strategy.tp=2",
+        "strategy.pp=1",
+    ]
     run_ok([*base, "strategy.dp=2", "trainer.devices=4"], tmp_path / "four", env=ENV)
     ckpt = tmp_path / "four" / "checkpoints" / "epoch=0-step=10.ckpt"
     run_dir = tmp_path / "elastic"

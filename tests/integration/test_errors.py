@@ -101,7 +101,13 @@ def test_dead_rank_stops_the_job_fast(dead_rank, tmp_path):
     run_dir = tmp_path / "run"
     env = {"PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
     start = time.monotonic()
-    proc = train([*TINY, "strategy=ddp", "trainer.devices=2", f"strategy.timeout_s={timeout_s}", *kill, f"hydra.run.dir={run_dir}"], cwd=tmp_path, timeout=2 * timeout_s + 60, env=env, cold=True)
+    proc = train(
+        [*TINY, "strategy=ddp", "trainer.devices=2", f"strategy.timeout_s={timeout_s}", *kill, f"hydra.run.dir={run_dir}"],
+        cwd=tmp_path,
+        timeout=2 * timeout_s + 60,
+        env=env,
+        cold=True,
+    )
     elapsed = time.monotonic() - start
     assert proc.returncode != 0, proc.stderr[-3000:]
     assert f"killing rank {dead_rank}" in proc.stderr + proc.stdout
@@ -151,7 +157,13 @@ def test_stuck_rank_is_named_within_the_timeout(tmp_path):
     run_dir = tmp_path / "run"
     env = {"PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
     start = time.monotonic()
-    proc = train([*TINY, "strategy=ddp", "trainer.devices=2", f"strategy.timeout_s={timeout_s}", *stall, f"hydra.run.dir={run_dir}"], cwd=tmp_path, timeout=180, env=env, cold=True)
+    proc = train(
+        [*TINY, "strategy=ddp", "trainer.devices=2", f"strategy.timeout_s={timeout_s}", *stall, f"hydra.run.dir={run_dir}"],
+        cwd=tmp_path,
+        timeout=180,
+        env=env,
+        cold=True,
+    )
     elapsed = time.monotonic() - start
     assert "stalling rank 1" in proc.stderr
     assert proc.returncode == 3, proc.stderr[-3000:]

@@ -89,9 +89,21 @@ EXPERT_LAYOUTS = {
 }
 
 
-@pytest.mark.parametrize("family,layout", [("qwen2", "tp2"), ("qwen2", "tp2-sequence-parallel"), ("gpt2", "pp2-1f1b"), ("mixtral", "zero3"), ("mixtral", "pp2-1f1b"),
-                                           ("mixtral", "tp2"), ("mixtral", "ep2"), ("mixtral", "ep2xdp2"), ("mixtral", "hybrid-pp2xep2"),
-                                           ("mixtral", "hybrid-tp2xep2")])
+@pytest.mark.parametrize(
+    "family,layout",
+    [
+        ("qwen2", "tp2"),
+        ("qwen2", "tp2-sequence-parallel"),
+        ("gpt2", "pp2-1f1b"),
+        ("mixtral", "zero3"),
+        ("mixtral", "pp2-1f1b"),
+        ("mixtral", "tp2"),
+        ("mixtral", "ep2"),
+        ("mixtral", "ep2xdp2"),
+        ("mixtral", "hybrid-pp2xep2"),
+        ("mixtral", "hybrid-tp2xep2"),
+    ],
+)
 def test_other_families_train_like_one_process(family, layout, tmp_path):
     one = run_ok([*FAMILY[family], "strategy=single"], tmp_path / "single")
     proc = train([*FAMILY[family], *{**LAYOUTS, **EXPERT_LAYOUTS}[layout], f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path)

@@ -16,7 +16,10 @@ def single(tmp_path_factory) -> dict:
 
 def test_fp16_with_sharded_gradients_logs_a_moving_loss_scale(single, tmp_path):
     # ZeRO-2: each rank unscales and checks only its slice of the gradients; the flag is all-reduced.
-    run = run_ok([*TINY, "strategy=zero", "strategy.stage=2", "trainer.devices=2", "callbacks=[amp]", "callbacks.amp.dtype=fp16", "callbacks.amp.incr_every_n_steps=4"], tmp_path / "run")
+    run = run_ok(
+        [*TINY, "strategy=zero", "strategy.stage=2", "trainer.devices=2", "callbacks=[amp]", "callbacks.amp.dtype=fp16", "callbacks.amp.incr_every_n_steps=4"],
+        tmp_path / "run",
+    )
     rows = [r for r in csv.DictReader((tmp_path / "run" / "metrics.csv").open()) if r.get("loss_scale")]
     scales = [float(r["loss_scale"]) for r in rows]
     assert len(scales) == 20

@@ -13,7 +13,9 @@ TRAIN = [*TINY, "trainer.max_steps=10"]
 
 
 def _predict(args: list[str], ckpt, run_dir) -> dict:
-    proc = train([*TRAIN, "mode=predict", f"ckpt_path='{ckpt}'", "predict.samples=1", "predict.new_tokens=40", *args, f"hydra.run.dir={run_dir}"], cwd=run_dir.parent)
+    proc = train(
+        [*TRAIN, "mode=predict", f"ckpt_path='{ckpt}'", "predict.samples=1", "predict.new_tokens=40", *args, f"hydra.run.dir={run_dir}"], cwd=run_dir.parent
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads((run_dir / "predict.json").read_text())
 

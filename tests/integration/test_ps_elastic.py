@@ -28,11 +28,24 @@ from tests.integration.test_train import REPO, run_ok
 HERE = Path(__file__).resolve().parent
 ENV = {"PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]), "OMP_NUM_THREADS": "1"}
 # 20 steps, a checkpoint (and the servers' snapshot) every 5: a kill at step 12 resumes from step 10.
-ARGS = [*CTR, "strategy=ps", "strategy.mode=sync", "trainer.max_steps=20", "trainer.val_check_interval=20", "checkpoint.every_n_steps=5", "strategy.timeout_s=60"]
+ARGS = [
+    *CTR,
+    "strategy=ps",
+    "strategy.mode=sync",
+    "trainer.max_steps=20",
+    "trainer.val_check_interval=20",
+    "checkpoint.every_n_steps=5",
+    "strategy.timeout_s=60",
+]
 STAMP = ["+callbacks.stamp._target_=fault_injection.StepStamp"]  # rank 0 prints each finished step
 KILL_WORKER = ["+callbacks.kill._target_=fault_injection.KillRank", "+callbacks.kill.rank=1", "+callbacks.kill.at_step=12", "+callbacks.kill.only_attempt=0"]
 KILL_SERVER = ["+callbacks.kill._target_=ps_faults.KillServer", "+callbacks.kill.rank=2", "+callbacks.kill.at_step=12"]
-KILL_SERVER_SAVING = ["+callbacks.kill._target_=ps_faults.KillServer", "+callbacks.kill.rank=2", "+callbacks.kill.at_step=10", "+callbacks.kill.during_snapshot=true"]
+KILL_SERVER_SAVING = [
+    "+callbacks.kill._target_=ps_faults.KillServer",
+    "+callbacks.kill.rank=2",
+    "+callbacks.kill.at_step=10",
+    "+callbacks.kill.during_snapshot=true",
+]
 
 
 def torchrun(args: list[str], run_dir: Path) -> tuple[subprocess.CompletedProcess, float]:

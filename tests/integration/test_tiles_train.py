@@ -50,7 +50,9 @@ def test_train_on_tiles_then_predict_reassembles_the_whole_image(tmp_path):
     for devices in (2, 1):
         run_dir = tmp_path / f"predict{devices}"
         strategy = "ddp" if devices > 1 else "single"
-        proc = train([*TILES, "mode=predict", f"ckpt_path={ckpt}", f"strategy={strategy}", f"trainer.devices={devices}", f"hydra.run.dir={run_dir}"], cwd=tmp_path)
+        proc = train(
+            [*TILES, "mode=predict", f"ckpt_path={ckpt}", f"strategy={strategy}", f"trainer.devices={devices}", f"hydra.run.dir={run_dir}"], cwd=tmp_path
+        )
         assert proc.returncode == 0, proc.stderr[-3000:]
         report = json.loads((run_dir / "predict.json").read_text())
         assert report["world_size"] == devices and report["val_loss"] is not None

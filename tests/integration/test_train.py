@@ -172,7 +172,9 @@ def test_collector_is_back_on_on_every_rank_when_training_starts(tmp_path):
         gc.enable()
     env = {"PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parent), os.environ.get("PYTHONPATH", "")])}
     check = ["+callbacks.gc._target_=fault_injection.RequireCollector"]
-    proc = train([*TINY, "strategy=ddp", "trainer.devices=2", "trainer.max_steps=3", *check, f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path, env=env, cold=True)
+    proc = train(
+        [*TINY, "strategy=ddp", "trainer.devices=2", "trainer.max_steps=3", *check, f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path, env=env, cold=True
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     for rank in (0, 1):
         assert f"rank {rank} trains with the collector on" in proc.stderr

@@ -148,7 +148,9 @@ def test_sharded_checkpoint_resumes_at_other_world_sizes(stage2_run, tmp_path):
     # A checkpoint of another model shape is refused before any process starts, naming what differs.
     wide = train([*ZTINY, "strategy=single", "model.n_embd=64", f"ckpt_path='{step10}'", f"hydra.run.dir={tmp_path / 'wide'}"], cwd=tmp_path)
     assert wide.returncode == 2, wide.stderr[-2000:]
-    assert "saved from a different model" in wide.stderr and "weight is (32, 32) in the checkpoint but (64, 64) in this model" in wide.stderr, wide.stderr[-2000:]
+    assert "saved from a different model" in wide.stderr and "weight is (32, 32) in the checkpoint but (64, 64) in this model" in wide.stderr, wide.stderr[
+        -2000:
+    ]
     assert not (tmp_path / "wide" / "checkpoints").exists()
 
 

@@ -56,7 +56,9 @@ def peak_growth_mib(code: str) -> float:
 def test_convert_file_to_sharded_and_back_is_exact_with_bounded_memory(tmp_path):
     source = tmp_path / "source.ckpt"
     original = lightning_checkpoint(source)
-    total = sum(t.nbytes for t in original["state_dict"].values()) + sum(t.nbytes for s in original["optimizer_states"][0]["state"].values() for t in s.values())
+    total = sum(t.nbytes for t in original["state_dict"].values()) + sum(
+        t.nbytes for s in original["optimizer_states"][0]["state"].values() for t in s.values()
+    )
     largest = PARAM_MIB * MIB
     # Negative control: the measure sees a whole-checkpoint load (this is what bounded memory avoids).
     whole = peak_growth_mib(f"torch.save(torch.load({str(source)!r}, weights_only=False), {str(tmp_path / 'copy.ckpt')!r})")

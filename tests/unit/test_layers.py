@@ -1,6 +1,10 @@
-"""Who imports whom: no import cycle anywhere in the package, the neutral modules (capabilities, the strategy protocol) and the callbacks import no
-strategy, the planner imports neither torch nor matplotlib, the package root holds only the modules meant to be
-there, and the names that moved out of ``parallelkit.strategies`` are still importable from there."""
+"""Who imports whom: no import goes up the layers (:data:`parallelkit.tools.architecture.LAYERS`, the table
+docs/architecture.md shows), at module level or inside a function, and the few that must are listed here with
+their reason; run code, callbacks and the planner never import ``launch/`` (the entry point hands its hooks in);
+no import cycle anywhere in the package; the neutral modules (capabilities, the strategy protocol) and the
+callbacks import no strategy, the planner imports neither torch nor matplotlib, the package root holds only the
+modules meant to be there, and the names that moved out of ``parallelkit.strategies`` are still importable from
+there."""
 
 from __future__ import annotations
 
@@ -9,7 +13,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import parallelkit
+from parallelkit.tools import architecture
+from parallelkit.tools.architecture import Import, all_imports, imports_of, layer, modules, unit, upward
 
 # A fresh interpreter: this test process has long imported every strategy.
 _LOADED = """
@@ -25,7 +33,7 @@ print(" ".join(sorted(m for m in sys.modules if m.startswith({prefixes!r}))))
 # The package root: what starts and runs a job, the one-line modules that keep the commands' public names
 # (``python -m parallelkit.plan`` runs ``parallelkit.tools.plan``), and neutral modules that several layers share.
 # Anything else has a role, and a subpackage of that role: tools/, planner/, distributed/, ...
-ENTRY_AND_RUN = {"__init__", "__main__", "run", "run_dir", "config_check", "optim", "console", "csv_logger"}
+ENTRY_AND_RUN = {"__init__", "__main__", "run", "run_config", "job", "run_dir", "config_check", "optim", "console", "csv_logger"}
 COMMANDS = {"plan", "verify", "export"}
 NEUTRAL = {"errors", "capabilities", "strategy_protocol", "hashing", "process_stats"}
 
@@ -80,27 +88,7 @@ def test_the_package_root_holds_only_entry_points_commands_and_neutral_modules()
 def import_graph(root: Path) -> dict[str, set[str]]:
     """``module → parallelkit modules it imports``, at any depth (imports inside functions too: a cycle through
     a lazy import is still a cycle of responsibilities)."""
-    modules = {}
-    for path in root.rglob("*.py"):
-        parts = path.relative_to(root.parent).with_suffix("").parts
-        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
-
-    def owner(name: str) -> str | None:  # `from parallelkit.x import y`: the module y, else the module x
-        while name and name not in modules:
-            name = name.rpartition(".")[0]
-        return name or None
-
-    graph: dict[str, set[str]] = {name: set() for name in modules}
-    for name, path in modules.items():
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("parallelkit"):
-                targets = [owner(f"{node.module}.{alias.name}") for alias in node.names]
-            elif isinstance(node, ast.Import):
-                targets = [owner(alias.name) for alias in node.names if alias.name.startswith("parallelkit")]
-            else:
-                continue
-            graph[name] |= {t for t in targets if t and t != name}
-    return graph
+    return architecture.import_graph(root)
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -148,3 +136,76 @@ def test_no_import_cycle_in_the_package():
     # Negative control: the launch cycle this package once had (run → local_launch → local_child → cli → run) is found.
     old = {**graph, "parallelkit.run": graph["parallelkit.run"] | {"parallelkit.launch.cli"}}
     assert any({"parallelkit.run", "parallelkit.launch.cli"} <= set(c) for c in cycles(old))
+
+
+# The imports that go up the layers, each with the reason it must. Anything else that goes up fails the test.
+UPWARD_WITH_REASON: dict[tuple[str, str], str] = {}  # (importer, imported): why it must go up
+
+
+def test_every_module_sits_in_a_layer():
+    assert sorted({unit(m) for m in modules() if layer(m) is None}) == []
+    units = [u for _, us, _ in architecture.LAYERS for u in us]
+    assert len(units) == len(set(units))  # each in one layer
+
+
+def test_no_import_goes_up_the_layers():
+    found = upward(all_imports())
+    unexplained = [f"{i.importer}:{i.line} imports {i.imported} ({'in a function' if i.in_function else 'module level'})"
+                   for i in found if (i.importer, i.imported) not in UPWARD_WITH_REASON]
+    assert unexplained == [], "imports up the layers (parallelkit.tools.architecture.LAYERS):\n" + "\n".join(unexplained)
+    stale = set(UPWARD_WITH_REASON) - {(i.importer, i.imported) for i in found}
+    assert not stale, f"listed as going up, but no longer imported: {sorted(stale)}"
+
+
+def test_run_code_callbacks_tools_and_the_planner_never_import_launch():
+    users = {"run", "run_config", "job", "callbacks/", "planner/", "tools/"}
+    found = [i for i in all_imports() if unit(i.importer) in users and unit(i.imported) == "launch/"]
+    assert found == []
+
+
+@pytest.mark.parametrize("source, where", [
+    ("from parallelkit.launch import local_ranks\n", "module level"),
+    ("def f():\n    from parallelkit.launch.local_ranks import abort\n", "inside a function"),
+    ("class C:\n    def m(self):\n        from ..launch import local_ranks\n", "relative, in a method"),
+    ("import parallelkit.launch\n", "the package"),
+    ("from parallelkit import job\n", "a module through its package"),
+])
+def test_an_upward_import_is_found(tmp_path, source, where):
+    """Negative control: a callback that imports the launcher or the run, in any of these forms, goes up."""
+    path = tmp_path / "fake.py"
+    path.write_text(source)
+    found = upward(imports_of("parallelkit.callbacks.fake", path, modules()))
+    assert [unit(i.imported) for i in found] in (["launch/"], ["job"]), where
+    assert found[0].in_function == ("def " in source)
+
+
+def test_imports_below_and_within_the_layer_are_allowed(tmp_path):
+    path = tmp_path / "fake.py"
+    path.write_text("from parallelkit.errors import ConfigError\nfrom . import base\n\ndef f():\n    from ..models import plans\n")
+    found = imports_of("parallelkit.callbacks.fake", path, modules())
+    assert [i.imported for i in found] == ["parallelkit.errors", "parallelkit.callbacks.base", "parallelkit.models.plans"]
+    assert upward(found) == []
+    assert upward([Import("parallelkit.models.plans", "parallelkit.callbacks.base", 1, False)])  # and the other way round
+
+
+def test_the_layers_section_of_the_architecture_page_matches_the_code():
+    text = (architecture.ROOT / architecture.DOC).read_text()
+    assert architecture.regenerate(text, architecture.layers_section()) == text, (
+        f"{architecture.DOC}: the layers section differs from the code; run `python -m parallelkit.tools.architecture`")
+
+
+def test_the_entry_point_hands_the_launchers_hooks_to_the_run(tmp_path):
+    """``launch/cli.py`` hands the launcher's functions to the run (``run.LaunchHooks``) and the run hands the stop
+    on to the signal callback; without the launcher (a test, torchrun) every hook does nothing."""
+    from omegaconf import OmegaConf
+
+    from parallelkit.launch import cli, local_ranks, startup_gc
+    from parallelkit.run import LaunchHooks, checkpoint_callbacks
+
+    hooks = cli.launch_hooks()
+    assert hooks.is_started_rank is local_ranks.is_started_rank and hooks.start_ranks is local_ranks.ensure_started
+    assert hooks.end_startup is startup_gc.resume and hooks.share_cores is local_ranks.share_cores
+    _, signal_stop = checkpoint_callbacks(OmegaConf.create({}), tmp_path, hooks.stop_ranks)
+    assert signal_stop.on_leave is hooks.stop_ranks
+    quiet = LaunchHooks()
+    assert quiet.is_started_rank() is False and quiet.start_ranks(2, 1) is None and quiet.start_work() is None

@@ -36,7 +36,9 @@ KNOWN_MISSES = {
 def test_published_run_is_predicted_within_25_percent_and_fits(name):
     result = validate(name, RUNS[name], with_auto=False)
     assert result.published.fits, f"{name}: needs {result.published.memory['total'] / 2**30:.1f} GiB per device"
-    assert 0.75 <= result.ratio <= 1.25, f"{name}: predicted {result.published.tokens_per_s_per_device:.1f} tokens/s per device, published {result.published_tokens_per_s:.1f}"
+    assert 0.75 <= result.ratio <= 1.25, (
+        f"{name}: predicted {result.published.tokens_per_s_per_device:.1f} tokens/s per device, published {result.published_tokens_per_s:.1f}"
+    )
 
 
 def test_at_least_three_sizes_are_validated():

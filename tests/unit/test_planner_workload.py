@@ -38,13 +38,30 @@ def test_analytic_parameter_count_equals_the_built_model(overrides):
     assert w.num_params == built
 
 
-@pytest.mark.parametrize("model_type,extra", [
-    ("llama", {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 96, "vocab_size": 300}),
-    ("mistral", {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 1, "intermediate_size": 96, "vocab_size": 300}),
-    ("opt", {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "ffn_dim": 128, "vocab_size": 300, "word_embed_proj_dim": 64, "max_position_embeddings": 128}),
-    ("bloom", {"hidden_size": 64, "n_layer": 2, "n_head": 4, "vocab_size": 300}),
-    ("gpt2", {"n_embd": 64, "n_layer": 2, "n_head": 4, "vocab_size": 300, "n_positions": 128}),
-])
+@pytest.mark.parametrize(
+    "model_type,extra",
+    [
+        ("llama", {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 96, "vocab_size": 300}),
+        (
+            "mistral",
+            {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 1, "intermediate_size": 96, "vocab_size": 300},
+        ),
+        (
+            "opt",
+            {
+                "hidden_size": 64,
+                "num_hidden_layers": 2,
+                "num_attention_heads": 4,
+                "ffn_dim": 128,
+                "vocab_size": 300,
+                "word_embed_proj_dim": 64,
+                "max_position_embeddings": 128,
+            },
+        ),
+        ("bloom", {"hidden_size": 64, "n_layer": 2, "n_head": 4, "vocab_size": 300}),
+        ("gpt2", {"n_embd": 64, "n_layer": 2, "n_head": 4, "vocab_size": 300, "n_positions": 128}),
+    ],
+)
 def test_hf_config_json_shape_equals_the_transformers_model(model_type, extra, tmp_path):
     """A config.json is read without transformers: the count equals the transformers model's own."""
     import transformers

@@ -163,7 +163,12 @@ def test_model_without_tables_and_unsupported_optimizers_are_config_errors():
         table_optimizer(partial(torch.optim.SGD, lr=0.1, momentum=0.9))
     with pytest.raises(ConfigError, match="RMSprop"):
         table_optimizer(partial(torch.optim.RMSprop, lr=0.1))
-    assert table_optimizer(partial(torch.optim.Adagrad, lr=0.1, eps=1e-8)) == {"optimizer": "adagrad", "eps": 1e-8, "initial_accumulator_value": 0.0, "weight_decay": 0.0}
+    assert table_optimizer(partial(torch.optim.Adagrad, lr=0.1, eps=1e-8)) == {
+        "optimizer": "adagrad",
+        "eps": 1e-8,
+        "initial_accumulator_value": 0.0,
+        "weight_decay": 0.0,
+    }
 
 
 def test_ctr_data_is_deterministic_power_law_and_has_a_ceiling():

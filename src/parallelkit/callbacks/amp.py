@@ -119,7 +119,9 @@ class AMP(ParallelKitCallback):
         if dtype == "bf16":
             changed = [k for k, v in self.scaling.items() if v != DynamicLossScaler.__dataclass_fields__[k].default]
             if changed:
-                raise ConfigError(f"callbacks.amp.{changed[0]} only applies to dtype=fp16 (loss scaling); bf16 needs none. Set callbacks.amp.dtype=fp16 or drop it.")
+                raise ConfigError(
+                    f"callbacks.amp.{changed[0]} only applies to dtype=fp16 (loss scaling); bf16 needs none. Set callbacks.amp.dtype=fp16 or drop it."
+                )
         self.white = list(custom_white_list or [])
         self.black = list(custom_black_list or [])
         self.scaler: DynamicLossScaler | None = None

@@ -6,6 +6,7 @@ import copy
 from typing import Any, Callable
 
 import lightning.pytorch as pl
+import torch.distributed
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
@@ -27,7 +28,8 @@ class DiLoCoCallback(ReplicaState, CommHookCallback):
     ``outer_dtype``, Streaming DiLoCo. See :mod:`parallelkit.distributed.diloco`.
 
     The DDP gradient all-reduce is switched off for the whole run (a comm hook that sends nothing), so the
-    only traffic is the outer all-reduce: DDP's bytes ÷ ``inner_steps`` (× 1/2 in bf16/fp16). Validation
+    only traffic is the outer all-reduce: DDP's bytes ÷ ``inner_steps`` (× 1/2 in bf16/fp16; int8: an all-gather of
+    int8 values and per-256-element fp32 scales, × W/8 on W ranks: × 1/4 on 2). Validation
     sees the global parameters (the anchors, identical on every rank), not a replica. After the last step
     the outer step due then is applied and every other fragment is averaged, so the run ends with one model.
     Checkpoints hold the anchors, the outer optimizer, the in-flight fragment's averaged delta and every
@@ -43,13 +45,13 @@ class DiLoCoCallback(ReplicaState, CommHookCallback):
         fragments: Streaming DiLoCo's F: parameter fragments synchronized at staggered steps; must divide H.
         overlap_steps: Streaming DiLoCo's τ: inner steps a fragment's all-reduce overlaps; < H / F.
         mix: weight of the local parameters when an overlapped fragment is merged (τ > 0 only).
-        outer_dtype: precision the outer gradients travel in: fp32, bf16 or fp16.
+        outer_dtype: precision the outer gradients travel in: fp32, bf16, fp16 or int8 (with fp32 scales).
 
     Example::
 
         python train.py callbacks=[diloco] callbacks.diloco.inner_steps=16 trainer.devices=2
         python train.py callbacks=[diloco] callbacks.diloco.inner_steps=16 callbacks.diloco.fragments=4 \\
-            callbacks.diloco.overlap_steps=1 callbacks.diloco.outer_dtype=bf16 trainer.devices=2
+            callbacks.diloco.overlap_steps=1 callbacks.diloco.outer_dtype=int8 trainer.devices=2
     """
 
     owner = OWNER
@@ -114,6 +116,10 @@ class DiLoCoCallback(ReplicaState, CommHookCallback):
         rank_zero_info(f"DiLoCo: outer step every {o['inner_steps']} steps (lr {o['outer_lr']}, momentum {o['outer_momentum']}"
                        f"{', Nesterov' if o['nesterov'] else ''}), {o['fragments']} fragment(s), overlap {o['overlap_steps']} "
                        f"step(s), outer gradients in {o['outer_dtype']}.")
+        world = torch.distributed.get_world_size(strategy.data_parallel_group)
+        if o["outer_dtype"] == "int8" and world >= 8:
+            rank_zero_info(f"DiLoCo: outer_dtype=int8 all-gathers every rank's int8 outer gradient: on {world} ranks that is "
+                           f"{world / 8:g}× fp32's all-reduce bytes, not fewer; use bf16 (½×) at this size.")
 
     # ---------------------------------------------------------------- per-replica state (callbacks.replica_state)
     @override
@@ -194,4 +200,7 @@ class DiLoCoCallback(ReplicaState, CommHookCallback):
             "outer_steps": len(self.diloco.outer_steps) if self.diloco else 0,
             "fragment_numel": [sum(self.diloco.params[i].numel() for i in idx) for idx in self.diloco.fragments] if self.diloco else [],
             "extra_memory_bytes": self.diloco.memory_bytes() if self.diloco else {},
+            "extra_memory_note": "measured from the tensors held (numel × element size); every fragment's fp32 anchor is "
+                                 "held (each is needed until that fragment's next outer step), plus the fp32 outer momentum; "
+                                 "in_flight and peak are the most held during the run, in this process",
         }}

@@ -93,7 +93,7 @@ class LocalSGDCallback(ReplicaState, CommHookCallback):
         self._last_bytes = self._bytes(trainer)
         if any("betas" in group for opt in trainer.optimizers for group in opt.param_groups):
             # Adam's steps are normalised per coordinate: where the ranks' gradients disagree in sign their
-            # steps cancel in the average, which acts like a smaller learning rate (measured: README).
+            # steps cancel in the average, which acts like a smaller learning rate (measured: docs/communication.md).
             rank_zero_warn("Local SGD with an Adam-type optimizer: averaging the ranks' normalised steps trains slower "
                            "than DDP's Adam on averaged gradients, even with k_steps=1. Momentum SGD (optim=sgd) averages "
                            "exactly like DDP at k_steps=1.")

@@ -26,7 +26,7 @@ import os
 import signal
 import sys
 import threading
-from typing import Any
+from typing import Any, Callable
 
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
@@ -63,17 +63,20 @@ class LocalSigterm(Callback):
             Trainer agrees on it, :meth:`agreement_signal`); ``False``, or without one: stop after the current
             batch, without a checkpoint.
         grace_s: how long a signalled rank waits for that step boundary before it leaves without a checkpoint.
+        on_leave: called just before a signalled rank leaves without a checkpoint: ``parallelkit.run`` hands in the
+            launcher's, which stops the local ranks this rank started.
 
     Example::
 
         Trainer(strategy=..., callbacks=[PeriodicCheckpoint("run/checkpoints"), LocalSigterm(grace_s=20)])
     """
 
-    def __init__(self, checkpoint_on_signal: bool = True, grace_s: float = 20.0) -> None:
+    def __init__(self, checkpoint_on_signal: bool = True, grace_s: float = 20.0, on_leave: Callable[[], None] | None = None) -> None:
         if not isinstance(grace_s, (int, float)) or isinstance(grace_s, bool) or grace_s <= 0:
             raise ConfigError(f"checkpoint.signal_grace_s should be a number of seconds greater than 0. Got {grace_s!r}.")
         self.checkpoint_on_signal = bool(checkpoint_on_signal)
         self.grace_s = float(grace_s)
+        self.on_leave = on_leave
         self.requested_signal = 0  # the signal this rank received while training, until the ranks act on it
         self._lock = threading.Lock()
         self._committed = False  # the ranks agreed to checkpoint: the grace timer must not end this rank
@@ -161,13 +164,12 @@ class LocalSigterm(Callback):
                 return
             self._committed = True  # agreement_signal() now reports nothing more: this rank is leaving
             self._timer = None
-        from parallelkit.launch import local_ranks
-
         why = "a second signal" if again else f"no step boundary within {self.grace_s:g} s"
         rank = getattr(self._trainer, "global_rank", "?")
         print(f"parallelkit: rank {rank} stops on {signal.Signals(signum).name} without a checkpoint ({why}); "
               "the newest periodic checkpoint stays: resume with ckpt_path=last.", file=sys.stderr, flush=True)
-        local_ranks.abort(grace_s=1.0)  # rank 0 of a local job: the ranks it started leave too (no-op elsewhere)
+        if self.on_leave is not None:
+            self.on_leave()  # rank 0 of a local job: the ranks it started leave too
         sys.stdout.flush()
         os._exit(128 + signum)
 

@@ -52,7 +52,10 @@ def describe_layout(ckpt: Checkpoint) -> dict[str, Any]:
             parts.append(f"tensor parallel, degree {degree} ({len(split)} tensors split, {len(along_later)} along a dimension other than 0)")
         elif split:
             parts.append(f"ZeRO 3 / FSDP, degree {degree} ({len(split)} of {len(chunks)} parameters split along dimension 0)")
-        out = {"layout": f"sharded directory written by {ranks} ranks: " + ("; ".join(parts) or "every parameter whole on each rank (ddp-like, or ZeRO 1/2, whose optimizer shards are saved whole)")}
+        out = {
+            "layout": f"sharded directory written by {ranks} ranks: "
+            + ("; ".join(parts) or "every parameter whole on each rank (ddp-like, or ZeRO 1/2, whose optimizer shards are saved whole)")
+        }
     config = ckpt.path.parent.parent / ".hydra" / "config.yaml"
     if config.is_file():
         import yaml

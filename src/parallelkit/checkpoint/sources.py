@@ -30,6 +30,9 @@ from parallelkit.distributed.checkpoint_io import (
 from parallelkit.errors import ConfigError
 
 STATE_DICT = "state_dict"
+#: = :data:`parallelkit.models.module.PARAM_ORDER_KEY` (not imported: that module imports Lightning): the parameters'
+#: names in the single-device model's order, which a one-file checkpoint numbers the optimizer state by.
+PARAM_ORDER_KEY = "parallelkit_param_order"
 
 
 @dataclass
@@ -78,7 +81,9 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
         if sorted(path.glob("*/*model_states.pt")):
             return _open_deepspeed(path)
         if (path / ".metadata").is_file() or list(path.glob("*.distcp")):
-            raise ConfigError(f"{path} is an incomplete sharded checkpoint (no {META_FILE}, which is written last): its writer died. Use an earlier checkpoint.")
+            raise ConfigError(
+                f"{path} is an incomplete sharded checkpoint (no {META_FILE}, which is written last): its writer died. Use an earlier checkpoint."
+            )
         raise ConfigError(f"{path} is a directory but not a checkpoint (no {META_FILE}, no .metadata). Give a checkpoint file or directory.")
     return _open_file(path)
 
@@ -86,7 +91,20 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
 # ------------------------------------------------------------------------------------ one file
 
 
-_TRUSTED = ("torch", "numpy", "deepspeed", "lightning", "lightning_fabric", "parallelkit", "omegaconf", "collections", "typing", "pathlib", "_codecs", "datetime")
+_TRUSTED = (
+    "torch",
+    "numpy",
+    "deepspeed",
+    "lightning",
+    "lightning_fabric",
+    "parallelkit",
+    "omegaconf",
+    "collections",
+    "typing",
+    "pathlib",
+    "_codecs",
+    "datetime",
+)
 _BUILTINS = {"set", "frozenset", "slice", "complex", "bytearray", "bytes", "range", "dict", "list", "tuple", "int", "float", "str", "bool", "object"}
 
 
@@ -107,7 +125,9 @@ class _LazyUnpickler(pickle.Unpickler):
             return lambda data, requires_grad, hooks, *rest: data
         if (module, name) == ("torch._tensor", "_rebuild_from_type_v2"):  # a Parameter (DeepSpeed stage 3's flat groups)
             return lambda func, new_type, args, state: func(*args)
-        if (module not in ("builtins", "__builtin__") and module.split(".")[0] not in _TRUSTED) or (module in ("builtins", "__builtin__") and name not in _BUILTINS):
+        if (module not in ("builtins", "__builtin__") and module.split(".")[0] not in _TRUSTED) or (
+            module in ("builtins", "__builtin__") and name not in _BUILTINS
+        ):
             raise pickle.UnpicklingError(f"the checkpoint holds a {module}.{name}, a type outside {_TRUSTED}")
         return super().find_class(module, name)
 
@@ -239,8 +259,10 @@ def _open_dcp(path: Path) -> Checkpoint:
         merged = merge_rank_keyed_groups(groups_only, list(dict.fromkeys(names)))
         # The parameters' model order (a one-file checkpoint numbers them in it) is known from one group list, or
         # from one pipeline stage per key in stage order; not where a key holds several stages (interleaved
-        # schedules: rank 0 holds stages 0 and 2) or experts: there it needs the model.
-        order_known = PARAM_GROUPS in groups_only or all(_stage_order(k)[0] == 0 and len(_stage_order(k)) == 2 for k in keyed)
+        # schedules: rank 0 holds stages 0 and 2) or experts: there it needs the model, or the order the model
+        # recorded in the checkpoint (PARAM_ORDER_KEY; checkpoints written since 2026-11-27).
+        order_known = (PARAM_GROUPS in groups_only or PARAM_ORDER_KEY in meta
+                       or all(_stage_order(k)[0] == 0 and len(_stage_order(k)) == 2 for k in keyed))
         optimizers.append({"state": state, "param_groups": merged[PARAM_GROUPS], "keyed_groups": keyed, "order_known": order_known})
     order = [p for opt in optimizers[:1] for g in opt["param_groups"] for p in g["params"]]
     model = {**{n: model[n] for n in order if n in model}, **model}  # optimizer-index order first: what a one-file checkpoint needs

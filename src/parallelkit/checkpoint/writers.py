@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from parallelkit.checkpoint.sources import STATE_DICT, Checkpoint, LazyTensor
+from parallelkit.checkpoint.sources import PARAM_ORDER_KEY, STATE_DICT, Checkpoint, LazyTensor
 from parallelkit.distributed.checkpoint_io import META_FILE
 from parallelkit.errors import ConfigError
 
@@ -36,12 +36,17 @@ def write_file(ckpt: Checkpoint, out: Path) -> Path:
                           f"or experts each ({', '.join(unknown)}), and the model order of their parameters, which a one-file checkpoint "
                           "numbers them by, needs the model. Continue from the directory itself (ckpt_path=DIR works under every "
                           "strategy), or convert it to a sharded directory (strategy=tp/zero/pp).")
-    names = [p for g in (ckpt.optimizers[0]["param_groups"] if ckpt.optimizers else []) for p in g["params"]]
+    order = {n: i for i, n in enumerate(ckpt.meta.get(PARAM_ORDER_KEY) or [])}
+
+    def in_model_order(params: list[str]) -> list[str]:  # a group's names as the one-process model lists them
+        return sorted(params, key=lambda n: order.get(n, len(order))) if order else list(params)
+
+    names = [p for g in (ckpt.optimizers[0]["param_groups"] if ckpt.optimizers else []) for p in in_model_order(g["params"])]
     names += [n for n in ckpt.model if n not in names]
     index = {n: i for i, n in enumerate(names)}
     states = []
     for opt in ckpt.optimizers:
-        groups = [{k: v for k, v in g.items()} | {"params": [index[p] for p in g["params"]]} for g in opt["param_groups"]]
+        groups = [{k: v for k, v in g.items()} | {"params": [index[p] for p in in_model_order(g["params"])]} for g in opt["param_groups"]]
         states.append({"state": {index[n]: dict(v) for n, v in opt["state"].items() if n in index}, "param_groups": groups})
     checkpoint = {**ckpt.meta, STATE_DICT: OrderedDict((n, ckpt.model[n]) for n in names if n in ckpt.model), "optimizer_states": states}
     tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")

@@ -58,7 +58,9 @@ def _injective_offsets(ranks: np.ndarray, rows_per_field: int, seed: int) -> np.
     return out
 
 
-def make_ctr(num_samples: int, num_fields: int, rows_per_field: int, zipf_exponent: float, signal: float, seed: int, values_per_field: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def make_ctr(
+    num_samples: int, num_fields: int, rows_per_field: int, zipf_exponent: float, signal: float, seed: int, values_per_field: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(ids [N, F] int64, labels [N] float32, true click probabilities [N] float64)``, all from ``seed``.
 
     ``values_per_field``: distinct feature values per field (default: ``rows_per_field``, hashed with
@@ -125,14 +127,26 @@ class CTRDataModule(DataParallelDataModule):
         dm = CTRDataModule(num_samples=20000, num_fields=8, rows_per_field=10**7, global_batch_size=256)
     """
 
-    def __init__(self, num_samples: int = 20000, num_fields: int = 8, rows_per_field: int = 100000, zipf_exponent: float = 1.1, signal: float = 2.0, val_samples: int = 4096, values_per_field: int | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        num_samples: int = 20000,
+        num_fields: int = 8,
+        rows_per_field: int = 100000,
+        zipf_exponent: float = 1.1,
+        signal: float = 2.0,
+        val_samples: int = 4096,
+        values_per_field: int | None = None,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(**kwargs)
         for name, value in (("num_samples", num_samples), ("num_fields", num_fields), ("rows_per_field", rows_per_field), ("val_samples", val_samples)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"data.{name} should be an int greater than 0. Got {value!r}.")
         if not zipf_exponent > 0:
             raise ConfigError(f"data.zipf_exponent should be a number greater than 0. Got {zipf_exponent!r}.")
-        if values_per_field is not None and (not isinstance(values_per_field, int) or isinstance(values_per_field, bool) or not 1 <= values_per_field <= rows_per_field):
+        if values_per_field is not None and (
+            not isinstance(values_per_field, int) or isinstance(values_per_field, bool) or not 1 <= values_per_field <= rows_per_field
+        ):
             raise ConfigError(f"data.values_per_field should be an int from 1 to data.rows_per_field ({rows_per_field}), or null. Got {values_per_field!r}.")
         if num_fields * rows_per_field >= 2**62:
             raise ConfigError(f"data.num_fields × data.rows_per_field = {num_fields * rows_per_field} does not fit int64 ids.")
@@ -147,7 +161,9 @@ class CTRDataModule(DataParallelDataModule):
 
     @override
     def build(self) -> None:
-        ids, labels, prob = make_ctr(self.num_samples + self.val_samples, self.num_fields, self.rows_per_field, self.zipf_exponent, self.signal, self.seed, self.values_per_field)
+        ids, labels, prob = make_ctr(
+            self.num_samples + self.val_samples, self.num_fields, self.rows_per_field, self.zipf_exponent, self.signal, self.seed, self.values_per_field
+        )
         n = self.num_samples
         self.train_set = TensorDataset(ids[:n], labels[:n])
         self.val_set = TensorDataset(ids[n:], labels[n:])

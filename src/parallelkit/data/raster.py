@@ -144,7 +144,19 @@ class RasterTilesDataModule(DataParallelDataModule):
         python train.py +experiment=tiles data.height=8192 data.width=8192 data.tile=512 data.halo=8
     """
 
-    def __init__(self, image: str = "synthetic", labels: str | None = None, height: int = 1024, width: int = 1024, channels: int = 3, tile: int = 64, halo: int = 4, val_every: int = 8, noise: float = 0.5, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        image: str = "synthetic",
+        labels: str | None = None,
+        height: int = 1024,
+        width: int = 1024,
+        channels: int = 3,
+        tile: int = 64,
+        halo: int = 4,
+        val_every: int = 8,
+        noise: float = 0.5,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(**kwargs)
         self.image, self.label_path = image, labels
         self.height, self.width, self.channels, self.noise = height, width, channels, noise

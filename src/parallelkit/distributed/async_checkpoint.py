@@ -57,13 +57,14 @@ def checkpoint_layout(strategy: Any) -> str:
     from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
     from lightning.pytorch.strategies import ModelParallelStrategy, Strategy
 
-    from parallelkit.strategies.mesh import MeshStrategy
-
     name = getattr(strategy, "strategy_name", type(strategy).__name__)
     owner = next(c for c in type(strategy).__mro__ if "save_checkpoint" in vars(c))
-    if owner in (MeshStrategy, ModelParallelStrategy) and getattr(strategy, "_save_distributed_checkpoint", False):
+    # Lightning's model-parallel layouts: its own class's, or a subclass's that declares it writes them (MeshStrategy;
+    # declared, not imported: distributed/ sits below strategies/).
+    model_parallel = owner is ModelParallelStrategy or vars(owner).get("writes_model_parallel_layout", False)
+    if model_parallel and getattr(strategy, "_save_distributed_checkpoint", False):
         return SHARDED
-    if owner is Strategy or (owner in (MeshStrategy, ModelParallelStrategy)):  # the latter: one file, gathered on rank 0
+    if owner is Strategy or model_parallel:  # the latter: one file, gathered on rank 0
         io = getattr(strategy, "checkpoint_io", None)
         if io is None or isinstance(io, TorchCheckpointIO):
             return FILE

@@ -115,7 +115,9 @@ def check_compatible(path: str | Path, expected: dict[str, torch.Size]) -> None:
         found = deepspeed_param_shapes(path)
     elif path.is_dir():
         if not (path / META_FILE).is_file():
-            raise ConfigError(f"ckpt_path={path} is an incomplete sharded checkpoint (no {META_FILE}, which is written last): its writer died. Use an earlier checkpoint.")
+            raise ConfigError(
+                f"ckpt_path={path} is an incomplete sharded checkpoint (no {META_FILE}, which is written last): its writer died. Use an earlier checkpoint."
+            )
         try:
             from torch.distributed.checkpoint import FileSystemReader
 
@@ -132,7 +134,9 @@ def check_compatible(path: str | Path, expected: dict[str, torch.Size]) -> None:
         found = {k: v.shape for k, v in checkpoint.get("state_dict", {}).items() if isinstance(v, torch.Tensor)}
     missing = sorted(set(expected) - set(found))
     unexpected = sorted(set(found) - set(expected))
-    wrong = [(k, tuple(found[k]), tuple(expected[k])) for k in sorted(set(found) & set(expected)) if found[k] is not None and tuple(found[k]) != tuple(expected[k])]
+    wrong = [
+        (k, tuple(found[k]), tuple(expected[k])) for k in sorted(set(found) & set(expected)) if found[k] is not None and tuple(found[k]) != tuple(expected[k])
+    ]
     if missing or unexpected or wrong:
         parts = []
         if wrong:

@@ -15,13 +15,19 @@ Streaming DiLoCo (Douillard et al., arXiv:2501.18512) adds three things, each an
   later, so it travels while the replica computes (gloo's worker thread sends it). The τ local steps taken
   meanwhile are merged: ``param = mix · local + (1 - mix) · anchor`` (the paper's α; torchft's
   ``fragment_update_alpha``). With τ = 0 the replica takes the anchor as it is;
-- ``outer_dtype`` bf16/fp16: the outer gradients travel in half precision (half the bytes); the anchor
-  and the outer momentum stay fp32.
+- ``outer_dtype`` bf16/fp16: the outer gradients travel in half precision (half the bytes); ``int8``: in
+  int8 with one fp32 scale per 256 elements, all-gathered and averaged in fp32 by every rank
+  (:mod:`parallelkit.distributed.diloco_quantize`: a quarter of fp32's bytes on 2 ranks, ``W / 8`` of them on W).
+  The anchor and the outer momentum stay fp32.
 
 The schedule is a function of the global optimizer step only (fragment f syncs after step s when
 ``(s + 1) % H == (f + 1) · H / F % H``), so a resumed run needs no counters to find its place. At most one
 fragment is in flight (τ < H / F), so the extra memory beyond the anchors and the outer momentum is one
-fragment's outer gradient in ``outer_dtype``.
+fragment's outer gradient in ``outer_dtype`` (int8: every rank's packed copy, W · (n + 4⌈n / 256⌉) bytes),
+and, during its outer step, that gradient in fp32. Every fragment's anchor is held all the time (each
+fragment's anchor is needed from its outer step until its next, H steps later, and the fragments' periods
+overlap): one fp32 copy of the model, and one more for the outer momentum. :meth:`DiLoCo.memory_bytes`
+reports these from the tensors held (``numel · element_size``), the in-flight part as its peak over the run.
 
 Why not torchft's ``DiLoCo`` (torchft 0.2.0 ``local_sgd.py``, read before writing this): it needs its
 fault-tolerance ``Manager`` (a quorum per outer step, ``should_commit``, a lighthouse or a manager store),
@@ -40,9 +46,21 @@ import torch.distributed as dist
 
 from parallelkit.distributed.comm_counting import counting
 from parallelkit.distributed.comm_stats import CommStats
+from parallelkit.distributed.diloco_quantize import finish_int8_mean, mean_of_gathered, start_int8_mean
 
+#: the outer exchange's kind in ``CommStats`` (an all-reduce; with ``outer_dtype=int8`` an all-gather)
 OUTER_ALLREDUCE = "diloco_outer_allreduce"
-OUTER_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+OUTER_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "int8": torch.int8}
+
+
+def _nbytes(tensors: Iterable[Any]) -> int:
+    """Bytes of the distinct tensors among ``tensors`` (``numel · element_size``; one storage counted once)."""
+    seen, total = set(), 0
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in seen:
+            seen.add(t.untyped_storage().data_ptr())
+            total += t.numel() * t.element_size()
+    return total
 
 
 def split_fragments(params: list[torch.Tensor], fragments: int) -> list[list[int]]:
@@ -77,7 +95,7 @@ class DiLoCo:
         fragments: F (Streaming DiLoCo); must divide H.
         overlap_steps: τ, inner steps a fragment's all-reduce overlaps; < H / F.
         mix: weight of the local parameters when an overlapped fragment is merged (only with τ > 0).
-        outer_dtype: ``fp32``, ``bf16`` or ``fp16``: the precision the outer gradients travel in.
+        outer_dtype: ``fp32``, ``bf16``, ``fp16`` or ``int8``: the precision the outer gradients travel in.
 
     Example::
 
@@ -97,6 +115,7 @@ class DiLoCo:
         self.group, self.stats = group, stats
         self.inner_steps, self.overlap_steps, self.mix = inner_steps, overlap_steps, float(mix)
         self.dtype = OUTER_DTYPES[outer_dtype]
+        self.quantized = outer_dtype == "int8"
         self.fragments = split_fragments(self.params, fragments)
         # fp32 anchors whatever the parameters' dtype: the outer step accumulates many small deltas
         self.anchors = [p.detach().float().clone() for p in self.params]
@@ -105,6 +124,8 @@ class DiLoCo:
         self.pending: dict[str, Any] | None = None  # the fragment whose all-reduce is in flight
         self.outer_steps: list[tuple[int, int]] = []  # (step after which it was applied, fragment)
         self.ended_at: int | None = None  # the step after which ``force`` left one model on every rank
+        self.peak_in_flight = 0  # bytes: the most the in-flight exchange held
+        self.peak_bytes = 0  # bytes: the most this object held (anchors, momentum, exchange, fp32 outer gradient)
 
     # ------------------------------------------------------------------ schedule
     def fragment_starting_after(self, step: int) -> int | None:
@@ -149,15 +170,16 @@ class DiLoCo:
         for k in done:
             for i in self.fragments[k]:
                 self.params[i].copy_(self.anchors[i].to(self.params[i].dtype))
-        rest = [i for k, idx in enumerate(self.fragments) if k not in done for i in idx]
-        if rest:
-            self._average(rest)
+        for k, idx in enumerate(self.fragments):
+            if k not in done:
+                self._average(idx)  # fragment by fragment: one fragment's fp32 copy at a time, as an outer step
         self.ended_at = step
 
     @torch.no_grad()
     def _average(self, indices: list[int]) -> None:
         flat = torch.cat([self.params[i].detach().float().reshape(-1) for i in indices])
         flat.div_(dist.get_world_size(self.group))
+        self._note(flat)
         with counting(self.stats, OUTER_ALLREDUCE):
             dist.all_reduce(flat, group=self.group)
         offset = 0
@@ -171,19 +193,29 @@ class DiLoCo:
     @torch.no_grad()
     def _start(self, f: int, step: int) -> None:
         idx = self.fragments[f]
-        # divided before the sum: a half-precision sum of W outer gradients must not overflow
         flat = torch.cat([(self.anchors[i] - self.params[i].detach().float()).reshape(-1) for i in idx])
-        flat = flat.div_(dist.get_world_size(self.group)).to(self.dtype)
-        with counting(self.stats, OUTER_ALLREDUCE):
-            work = dist.all_reduce(flat, group=self.group, async_op=True)
-        self.pending = {"fragment": f, "start": step, "flat": flat, "work": work}
+        if self.quantized:
+            # all-gathered int8 + scales, averaged in fp32 by every rank alike: nothing sums in int8
+            with counting(self.stats, OUTER_ALLREDUCE):
+                exchange = start_int8_mean(flat, self.group)
+            self.pending = {"fragment": f, "start": step, **exchange}
+        else:
+            # divided before the sum: a half-precision sum of W outer gradients must not overflow
+            flat = flat.div_(dist.get_world_size(self.group)).to(self.dtype)
+            with counting(self.stats, OUTER_ALLREDUCE):
+                work = dist.all_reduce(flat, group=self.group, async_op=True)
+            self.pending = {"fragment": f, "start": step, "flat": flat, "work": work}
+        self._note()
 
     @torch.no_grad()
     def _complete(self, step: int, merge: bool = True) -> None:
+        self.finish_pending()
         pending, self.pending = self.pending, None
-        if pending["work"] is not None:
-            pending["work"].wait()
-        f, flat = pending["fragment"], pending["flat"].float()
+        f = pending["fragment"]
+        if "gathered" in pending:  # int8: every rank's packed outer gradient, averaged in rank order
+            flat = mean_of_gathered(pending["gathered"], pending["numel"])
+        else:
+            flat = pending["flat"].float()
         idx = self.fragments[f]
         offset = 0
         for i in idx:
@@ -191,6 +223,7 @@ class DiLoCo:
             self.anchors[i].grad = flat[offset : offset + n].view_as(self.anchors[i])
             offset += n
         self.outer.step()
+        self._note(*pending.values(), flat)  # the outer step's moment: the exchange, its fp32 mean, the momentum
         for i in idx:
             self.anchors[i].grad = None
             param = self.params[i]
@@ -202,24 +235,44 @@ class DiLoCo:
         self.outer_steps.append((step, f))
 
     def finish_pending(self) -> None:
-        """Wait for the in-flight all-reduce (a checkpoint stores its result, not a handle)."""
-        if self.pending is not None and self.pending["work"] is not None:
+        """Wait for the in-flight exchange (a checkpoint stores its result, not a handle)."""
+        if self.pending is None:
+            return
+        if "gathered" in self.pending:
+            finish_int8_mean(self.pending)
+        elif self.pending["work"] is not None:
             self.pending["work"].wait()
             self.pending["work"] = None
 
     # ------------------------------------------------------------------ memory and checkpoints
+    def _momentum(self) -> list[torch.Tensor]:
+        return [s["momentum_buffer"] for s in self.outer.state.values() if s.get("momentum_buffer") is not None]
+
+    def _note(self, *extra: Any) -> None:
+        """Update the peaks from the tensors held now: anchors, momentum, the exchange in flight, and ``extra``."""
+        in_flight = _nbytes((self.pending or {}).values())
+        self.peak_in_flight = max(self.peak_in_flight, in_flight)
+        held = _nbytes([*self.anchors, *self._momentum(), *(self.pending or {}).values(), *extra])
+        self.peak_bytes = max(self.peak_bytes, held)
+
     def memory_bytes(self) -> dict[str, int]:
-        """Extra bytes per rank: the fp32 anchors, the outer momentum, one fragment's outer gradient in flight."""
-        momentum = sum(s["momentum_buffer"].numel() * 4 for s in self.outer.state.values() if s.get("momentum_buffer") is not None)
-        in_flight = max(sum(self.params[i].numel() for i in idx) for idx in self.fragments) * self.dtype.itemsize
-        return {"anchors": sum(a.numel() * 4 for a in self.anchors), "outer_momentum": momentum, "in_flight": in_flight}
+        """Extra bytes per rank, from the tensors held (``numel · element_size``): the fp32 anchors (every
+        fragment's) and outer momentum now; ``in_flight``: the most an exchange in flight held (fp32/bf16/fp16:
+        the fragment's outer gradient; int8: the packed send buffer and every rank's gathered copy); ``peak``: the
+        most held at once (an outer step: the above, plus the fragment's averaged outer gradient in fp32).
+        PyTorch's own temporaries inside an operation (the outer SGD's, a concatenation's) are not in it."""
+        return {"anchors": _nbytes(self.anchors), "outer_momentum": _nbytes(self._momentum()),
+                "in_flight": self.peak_in_flight, "peak": self.peak_bytes}
 
     def state_dict(self) -> dict[str, Any]:
-        """Anchors, outer optimizer, the in-flight fragment's averaged outer gradient (identical on every rank)."""
+        """Anchors, outer optimizer, the in-flight fragment's averaged outer gradient (identical on every rank;
+        int8: every rank's packed buffer, which every rank averages alike)."""
         self.finish_pending()
         pending = None
         if self.pending is not None:
-            pending = {k: self.pending[k] for k in ("fragment", "start")} | {"flat": self.pending["flat"].clone()}
+            kept = ("gathered", "numel") if "gathered" in self.pending else ("flat",)
+            pending = {k: self.pending[k] for k in ("fragment", "start")} | {
+                k: self.pending[k].clone() if isinstance(self.pending[k], torch.Tensor) else self.pending[k] for k in kept}
         return {"anchors": [a.detach().clone() for a in self.anchors], "outer": self.outer.state_dict(),
                 "pending": pending, "outer_steps": list(self.outer_steps),
                 "layout": {"inner_steps": self.inner_steps, "fragments": len(self.fragments),

@@ -79,7 +79,9 @@ class ExpertParallelHandle:
 def check_expert_parallel(plan: ExpertParallelPlan, ep: int) -> None:
     """Raise :class:`ConfigError` if ``ep`` ranks cannot share the plan's experts evenly."""
     if not plan.sites:
-        raise ConfigError("strategy=moe found no MoE layer in the model. Use model=moe_gpt (or a model whose parallelize.py has an expert_parallel_plan with MoE layers).")
+        raise ConfigError(
+            "strategy=moe found no MoE layer in the model. Use model=moe_gpt (or a model whose parallelize.py has an expert_parallel_plan with MoE layers)."
+        )
     if plan.num_experts % ep:
         fits = [d for d in range(1, plan.num_experts + 1) if plan.num_experts % d == 0]
         raise ConfigError(

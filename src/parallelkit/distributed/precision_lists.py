@@ -74,7 +74,9 @@ def _pin(module: torch.nn.Module, device_type: str, dtype: torch.dtype, cast_par
     module.forward = forward
 
 
-def apply_precision_lists(model: torch.nn.Module, device_type: str, half: torch.dtype, white: Iterable[str] = (), black: Iterable[str] = ()) -> dict[str, list[str]]:
+def apply_precision_lists(
+    model: torch.nn.Module, device_type: str, half: torch.dtype, white: Iterable[str] = (), black: Iterable[str] = ()
+) -> dict[str, list[str]]:
     """Pin the listed modules of ``model`` (see the module docstring); returns what each entry matched."""
     white, black = list(white), list(black)
     both = set(white) & set(black)

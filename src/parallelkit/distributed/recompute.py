@@ -57,7 +57,11 @@ def apply_recompute(model: torch.nn.Module, mode: str) -> list[torch.nn.Module]:
         return []
     units = recompute_units(model, mode)
     if not units:
-        what = "sub-modules with parameters" if mode == "full" else "blocks with sub-layers (attention, MLP) to recompute selectively; recompute=full recomputes whole blocks"
+        what = (
+            "sub-modules with parameters"
+            if mode == "full"
+            else "blocks with sub-layers (attention, MLP) to recompute selectively; recompute=full recomputes whole blocks"
+        )
         raise ConfigError(f"recompute={mode}: {type(model).__name__} has no {what} (or define recompute_units(mode) on it).")
     for unit in units:
         _checkpointed(unit)

@@ -1,5 +1,5 @@
-"""The glue between the entry points (``train.py``, the ``parallelkit`` command) and :func:`parallelkit.run.run`:
-the shared Hydra main, resolvers, clear errors, clean exits."""
+"""The glue between the entry points (``train.py``, the ``parallelkit`` command) and :func:`parallelkit.job.run`:
+the shared Hydra main, resolvers, the launcher's hooks handed to the run, clear errors, clean exits."""
 
 from __future__ import annotations
 
@@ -7,11 +7,12 @@ import os
 import re
 import sys
 import traceback
-from typing import Callable
+from typing import Any, Callable
 
 from omegaconf import DictConfig
 
 from parallelkit.errors import ConfigError, TrainingDiverged, WriteFailed
+from parallelkit.launch.command_line import PACKAGED_CONFIGS  # noqa: F401 - its historical home
 from parallelkit.launch.resolvers import register_resolvers
 
 EXIT_CONFIG_ERROR = 2
@@ -19,7 +20,6 @@ EXIT_PEER_FAILURE = 3
 EXIT_DIVERGED = 4  # the loss became NaN/inf
 EXIT_WRITE_FAILED = 5  # an output (a checkpoint) could not be written; the previous one is intact
 EXIT_SIGTERM = 128 + 15  # the shell's convention for a process ended by SIGTERM
-from parallelkit.launch.command_line import PACKAGED_CONFIGS  # noqa: F401 - its historical home
 
 
 def hydra_main(config_path: str) -> Callable[[], None]:
@@ -97,9 +97,9 @@ def _run_or_explain(cfg: DictConfig) -> None:
     try:
         with local_ranks.job_environment():
             try:
-                from parallelkit.run import run
+                from parallelkit.job import run
 
-                run(cfg)
+                run(cfg, launch_hooks())
             except BaseException:
                 if local_ranks.is_started_rank() and not local_ranks.joined():
                     local_ranks.defer_to_rank0()  # rank 0 builds the same run: its verdict decides (see there)
@@ -138,6 +138,17 @@ def _run_or_explain(cfg: DictConfig) -> None:
             local_ranks.finish() if finished else local_ranks.abort()
         if refused and not local_ranks.is_started_rank():  # after its ranks are gone: nothing writes there any more
             _forget_refused_job()
+
+
+def launch_hooks() -> Any:
+    """What the launcher does at the run's milestones (:class:`parallelkit.run.LaunchHooks`), handed to the run
+    here so that run code, callbacks and the planner never import ``launch/``."""
+    from parallelkit.launch import local_ranks, startup_gc
+    from parallelkit.run import LaunchHooks
+
+    return LaunchHooks(is_started_rank=local_ranks.is_started_rank, start_ranks=local_ranks.ensure_started,
+                       end_startup=startup_gc.resume, share_cores=local_ranks.share_cores,
+                       stop_ranks=lambda: local_ranks.abort(grace_s=1.0))
 
 
 def _forget_refused_job() -> None:

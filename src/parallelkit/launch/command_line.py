@@ -235,7 +235,7 @@ def degrees_allow_early_start(config_path: str, argv: list[str], world_size: int
     """Whether ``world_size`` processes may start before Hydra composes the job: the strategy's degrees
     (its keys named like :class:`~parallelkit.distributed.parallel_dims.ParallelDims`' axes) must fit them.
     Composed with Hydra's compose API, then forgotten (the job composes again). Any doubt says no: the ranks
-    then start once the run has validated its degrees (:func:`parallelkit.run.run`), never before."""
+    then start once the run has validated its degrees (:func:`parallelkit.run.assemble`), never before."""
     try:
         import inspect
 

@@ -10,8 +10,8 @@ treats the processes as externally launched. There is one path, started at one o
   when the command line says ``trainer.devices=N`` and the strategy's degrees, composed with Hydra's compose
   API, fit N processes (bad degrees start no process): the ranks import torch and Lightning while rank 0 does
   (on 2 cores the first step comes 2.6 s after launch instead of 5.7 s with Lightning's own launcher);
-- **once the job's devices and degrees are validated** (:func:`ensure_started`, from :func:`parallelkit.run.run`) otherwise:
-  a sweep's jobs (each gets its exact overrides and output directory, no ``-m``), devices set by a config
+- **once the job's devices and degrees are validated** (:func:`ensure_started`, handed to
+  :func:`parallelkit.run.assemble` as a hook) otherwise: a sweep's jobs (each gets its exact overrides and output directory, no ``-m``), devices set by a config
   file, or a strategy's default count.
 
 Bad input stops the job with one message: every rank finds the same error, and a rank other than 0 stays
@@ -209,7 +209,8 @@ def _script_command() -> list[str]:
 
 
 # Hydra overrides that describe the sweep, not the job: a rank of one job must not inherit them.
-_SWEEP_ONLY = ("hydra.mode", "hydra.run.dir", "hydra.sweep", "hydra.job.name", "hydra.output_subdir", "hydra/launcher", "hydra/sweeper", "hydra.launcher", "hydra.sweeper")
+_SWEEP_ONLY = ("hydra.mode", "hydra.run.dir", "hydra.sweep", "hydra.job.name", "hydra.output_subdir", "hydra/launcher", "hydra/sweeper",
+               "hydra.launcher", "hydra.sweeper")
 
 
 def _job_command() -> list[str]:

@@ -14,6 +14,10 @@ from typing_extensions import override
 
 #: the checkpoint entry that says how to export the model (``parallelkit.export``).
 EXPORT_KEY = "parallelkit_export"
+#: the checkpoint entry that lists the parameters' names in the single-device model's order (the order a one-process
+#: optimizer numbers them in): ``python -m parallelkit.checkpoint convert`` needs it for a one-file checkpoint from
+#: ranks that each saved several pipeline stages (interleaved schedules) or experts, whose lists lose that order.
+PARAM_ORDER_KEY = "parallelkit_param_order"
 
 
 class TrainModule(pl.LightningModule):
@@ -33,7 +37,15 @@ class TrainModule(pl.LightningModule):
         Trainer(strategy=DDPStrategy()).fit(module, datamodule=dm)
     """
 
-    def __init__(self, model: torch.nn.Module, optimizer: Callable[..., torch.optim.Optimizer], warmup_steps: int = 0, decay_steps: int = 0, min_lr_ratio: float = 0.1, step_seed: int | None = None) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: Callable[..., torch.optim.Optimizer],
+        warmup_steps: int = 0,
+        decay_steps: int = 0,
+        min_lr_ratio: float = 0.1,
+        step_seed: int | None = None,
+    ) -> None:
         super().__init__()
         self.model = model
         self.optimizer_factory = optimizer
@@ -41,6 +53,8 @@ class TrainModule(pl.LightningModule):
         self.decay_steps = decay_steps
         self.min_lr_ratio = min_lr_ratio
         self.step_seed = step_seed
+        # Before any strategy splits or shards the model: the names in the single-device model's order.
+        self._param_order = [name for name, _ in self.named_parameters()]
 
     @property
     def parallel_model(self) -> torch.nn.Module:
@@ -86,7 +100,9 @@ class TrainModule(pl.LightningModule):
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Record what ``python -m parallelkit.export`` needs to write the model in its own library's format,
         for a model that says (``export_metadata()``: e.g. a Hugging Face model's config), and the tokenizer the
-        data module used (its ``tokenizer_path``), beside the weights in every checkpoint format."""
+        data module used (its ``tokenizer_path``), beside the weights in every checkpoint format; and the
+        parameters' single-device order (:data:`PARAM_ORDER_KEY`)."""
+        checkpoint[PARAM_ORDER_KEY] = list(self._param_order)
         describe = getattr(self.model, "export_metadata", None)
         if callable(describe):
             meta = describe()

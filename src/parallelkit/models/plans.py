@@ -51,14 +51,25 @@ from parallelkit.errors import ConfigError
 
 #: plan function → (its signature, what it is for, parallelkit's models that have one): for messages.
 PLAN_FUNCTIONS: dict[str, tuple[str, str, str]] = {
-    "tensor_parallel_plan": ("tensor_parallel_plan(model, tp, *, sequence_parallel) -> TensorParallelPlan", "a tensor parallel plan", "model=gpt, model=moe_gpt"),
+    "tensor_parallel_plan": (
+        "tensor_parallel_plan(model, tp, *, sequence_parallel) -> TensorParallelPlan",
+        "a tensor parallel plan",
+        "model=gpt, model=moe_gpt",
+    ),
     "pipeline_blocks": ("pipeline_blocks(model) -> int", "pipeline split points", "model=gpt, model=moe_gpt"),
     "pipeline_stages": ("pipeline_stages(model, blocks_per_stage, stage_ids) -> list[nn.Module]", "pipeline stages", "model=gpt, model=moe_gpt"),
     "pipeline_loss": ("pipeline_loss(model) -> loss_fn(outputs, targets)", "the last pipeline stage's loss", "model=gpt, model=moe_gpt"),
     "expert_parallel_plan": ("expert_parallel_plan(model) -> ExpertParallelPlan", "an expert parallel plan (a Mixture-of-Experts model)", "model=moe_gpt"),
-    "context_parallel_plan": ("context_parallel_plan(model) -> ContextParallelPlan (its attention and position modules)",
-                              "a context parallel plan", "model=gpt, model=hf (llama, qwen2, mixtral, gpt2)"),
-    "parameter_server_tables": ("parameter_server_tables(model, optimizer) -> dict[str, TableSpec]", "sparse embedding tables for the servers", "model=ctr (with data=ctr)"),
+    "context_parallel_plan": (
+        "context_parallel_plan(model) -> ContextParallelPlan (its attention and position modules)",
+        "a context parallel plan",
+        "model=gpt, model=hf (llama, qwen2, mixtral, gpt2)",
+    ),
+    "parameter_server_tables": (
+        "parameter_server_tables(model, optimizer) -> dict[str, TableSpec]",
+        "sparse embedding tables for the servers",
+        "model=ctr (with data=ctr)",
+    ),
 }
 PARALLELIZE_MODULE = "parallelize"
 
@@ -86,7 +97,10 @@ def _import(path: str) -> Any:
         try:
             owner = importlib.import_module(module_name)
         except ImportError as inner:
-            raise ConfigError(f"strategy.plan={path} does not import: {inner}. Name a module (mypkg.parallelize) or an object (mypkg.plans.NetPlans) of an importable package.") from None
+            raise ConfigError(
+                f"strategy.plan={path} does not import: {inner}. Name a module (mypkg.parallelize) or an object (mypkg.plans.NetPlans) "
+                "of an importable package."
+            ) from None
         if not hasattr(owner, attribute):
             raise ConfigError(f"strategy.plan={path}: module {module_name} has no {attribute!r}.") from None
         return getattr(owner, attribute)

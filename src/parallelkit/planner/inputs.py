@@ -16,12 +16,11 @@ if TYPE_CHECKING:
 
 def compose_config(overrides: list[str]) -> Any:
     """The ``train`` config composed with ``overrides``, as ``train.py`` and the ``parallelkit`` command see it
-    (the configs parallelkit carries, ``parallelkit.conf``: the checkout's ``conf/`` in an editable install)."""
+    (the configs parallelkit carries, ``parallelkit.conf``: the checkout's ``conf/`` in an editable install).
+    Without the ``hydra`` node, the only one that uses the launcher's resolvers (:mod:`parallelkit.launch.resolvers`:
+    the run directory's name, the log files): none is needed here."""
     from hydra import compose, initialize_config_module
 
-    from parallelkit.launch.resolvers import register_resolvers
-
-    register_resolvers()
     with initialize_config_module(config_module="parallelkit.conf", version_base="1.3"):
         return compose("train", overrides=list(overrides))
 

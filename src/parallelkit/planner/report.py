@@ -54,7 +54,8 @@ def format_ranking(plan: AutoPlan, top: int = 8) -> str:
         f"({shape.family}, {shape.layers} layers × {shape.hidden}, vocabulary {shape.vocab:,}{', tied' if shape.tied else ''}), "
         f"seq {w.seq_len}, batch {w.global_batch if w.global_batch is not None else str(w.per_rank_batch) + '/rank'}, "
         f"precision {w.precision.name}, recompute={w.recompute}; {gib(hw.usable_memory)} usable per device",
-        " # | dp sh cp tp pp ep | micro×m (sp: seq. parallel, uly: cp all-to-all) | memory/rank (state+gathered+act) | compute | recomp | bubble | comm ms dp / sh / cp / tp / pp / ep (* = across nodes) | optim+host | total ms | tok/s/dev | note",
+        " # | dp sh cp tp pp ep | micro×m (sp: seq. parallel, uly: cp all-to-all) | memory/rank (state+gathered+act) | compute | recomp | bubble "
+        "| comm ms dp / sh / cp / tp / pp / ep (* = across nodes) | optim+host | total ms | tok/s/dev | note",
     ]
     for i, c in enumerate(fitting + unfit, 1):
         lay, t = c.layout, c.time

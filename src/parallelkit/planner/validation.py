@@ -186,8 +186,11 @@ def degrees_text(lay: Layout) -> str:
 
 
 def table(results: list[Validation]) -> str:
-    lines = ["| run | source | layout (dp×sh×tp×pp [cp], micro-batch) | devices | published tok/s/device | predicted | pred/pub | fits (GiB) | strategy=auto instead | auto's prediction tok/s/device |",
-             "|---|---|---|---|---:|---:|---:|---|---|---:|"]
+    lines = [
+        "| run | source | layout (dp×sh×tp×pp [cp], micro-batch) | devices | published tok/s/device | predicted | pred/pub | fits (GiB) "
+        "| strategy=auto instead | auto's prediction tok/s/device |",
+        "|---|---|---|---|---:|---:|---:|---|---|---:|",
+    ]
     for r in results:
         lay, c = r.published.layout, r.published
         auto = r.auto.chosen if r.auto else None
@@ -198,10 +201,12 @@ def table(results: list[Validation]) -> str:
                      if auto else r.auto_note)
         lines.append(
             f"| {r.name} | [{r.run['source'].split(',')[0]}]({r.run['url']}) | {degrees_text(lay)}, {lay.micro_batch}"
-            f"{f'×{lay.micro_steps}' if lay.micro_steps > 1 else ''}{f' v{lay.virtual_stages}' if lay.virtual_stages > 1 else ''} | {lay.world:,} × {r.hardware.name} "
+            f"{f'×{lay.micro_steps}' if lay.micro_steps > 1 else ''}{f' v{lay.virtual_stages}' if lay.virtual_stages > 1 else ''} "
+            f"| {lay.world:,} × {r.hardware.name} "
             f"| {r.published_tokens_per_s:,.1f} | {c.tokens_per_s_per_device:,.1f} | {r.ratio:.2f} | {'yes' if c.fits else 'NO'} "
             f"({c.memory['total'] / 2**30:.1f} of {r.hardware.usable_memory / 2**30:.1f}) | {auto_text} | "
-            + (f"{auto.tokens_per_s_per_device:,.1f} |" if auto else "— |"))
+            + (f"{auto.tokens_per_s_per_device:,.1f} |" if auto else "— |")
+        )
     return "\n".join(lines)
 
 
@@ -212,8 +217,11 @@ def main(argv: list[str] | None = None) -> int:
     print(table(results))
     for r in results:
         t = r.published.time
-        print(f"{r.name}: step {t.total:.3g} s = compute {t.compute:.3g} (recompute {t.recompute:.3g}) + bubble {t.bubble:.3g} + "
-              + " + ".join(f"{k} {v:.3g}" for k, v in t.comm.items() if v) + f" + FSDP copy-out {t.fsdp_copy:.3g} + optimizer {t.optimizer:.3g} + host {t.host:.3g}")
+        print(
+            f"{r.name}: step {t.total:.3g} s = compute {t.compute:.3g} (recompute {t.recompute:.3g}) + bubble {t.bubble:.3g} + "
+            + " + ".join(f"{k} {v:.3g}" for k, v in t.comm.items() if v)
+            + f" + FSDP copy-out {t.fsdp_copy:.3g} + optimizer {t.optimizer:.3g} + host {t.host:.3g}"
+        )
     return 0
 
 

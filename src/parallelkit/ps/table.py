@@ -96,7 +96,12 @@ def table_optimizer(factory: Callable[..., torch.optim.Optimizer]) -> dict[str, 
     if isinstance(probe, torch.optim.Adagrad):
         if group.get("lr_decay", 0):
             raise ConfigError("strategy=ps: Adagrad's lr_decay is not applied per row; use a learning-rate schedule instead (optim.schedule).")
-        return {"optimizer": "adagrad", "eps": float(group["eps"]), "initial_accumulator_value": float(group.get("initial_accumulator_value", 0.0)), "weight_decay": float(group.get("weight_decay", 0.0))}
+        return {
+            "optimizer": "adagrad",
+            "eps": float(group["eps"]),
+            "initial_accumulator_value": float(group.get("initial_accumulator_value", 0.0)),
+            "weight_decay": float(group.get("weight_decay", 0.0)),
+        }
     if isinstance(probe, (torch.optim.Adam, torch.optim.AdamW, torch.optim.SparseAdam)):
         beta1, beta2 = group["betas"]
         # Weight decay would have to touch every row every step; lazy Adam on the tables skips it.

@@ -250,10 +250,14 @@ class DeepSpeedStrategy(ParallelKitStrategyMixin, LightningDDPStrategy):
         any other parallelkit checkpoint (a file or a sharded directory) of this model, continued into the engine."""
         path = Path(checkpoint_path)
         if not path.exists():
-            raise ConfigError(f"ckpt_path={checkpoint_path} does not exist. Give a checkpoint directory (e.g. outputs/RUN/checkpoints/last.ckpt), or ckpt_path=last.")
+            raise ConfigError(
+                f"ckpt_path={checkpoint_path} does not exist. Give a checkpoint directory (e.g. outputs/RUN/checkpoints/last.ckpt), or ckpt_path=last."
+            )
         if (path / CHECKPOINT_TAG).is_dir():
             if not any((path / CHECKPOINT_TAG).glob("*model_states.pt")):
-                raise ConfigError(f"ckpt_path={checkpoint_path} is an incomplete DeepSpeed checkpoint (no model states): its writer died. Use an earlier checkpoint.")
+                raise ConfigError(
+                    f"ckpt_path={checkpoint_path} is an incomplete DeepSpeed checkpoint (no model states): its writer died. Use an earlier checkpoint."
+                )
             return
         if self.stage == 0 or self.offload == "params":
             raise ConfigError(f"ckpt_path={checkpoint_path} was not written by strategy=deepspeed; a continuation into DeepSpeed from another "
@@ -276,8 +280,9 @@ class DeepSpeedStrategy(ParallelKitStrategyMixin, LightningDDPStrategy):
         return client_state
 
     def _load_other_layout(self, path: Path) -> dict[str, Any]:
-        """Another layout's checkpoint (another strategy's, or DeepSpeed's at another stage or rank count), read whole (parameters and optimizer state by name), each rank keeping its
-        ZeRO partition (:func:`~parallelkit.distributed.deepspeed_checkpoint.load_into_deepspeed_engine`)."""
+        """Another layout's checkpoint (another strategy's, or DeepSpeed's at another stage or rank count), read whole
+        (parameters and optimizer state by name), each rank keeping its ZeRO partition
+        (:func:`~parallelkit.distributed.deepspeed_checkpoint.load_into_deepspeed_engine`)."""
         checkpoint = load_unsharded(path)
         names = [name for name, _ in self.engine.module.named_parameters()]
         states = fqn_optimizer_states(checkpoint, names)

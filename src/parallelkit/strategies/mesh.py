@@ -181,6 +181,10 @@ class MeshStrategy(ParallelKitStrategyMixin, ModelParallelStrategy):
         """Called once the gradients are averaged, before clipping (pipeline: clip by the norm over all stages)."""
 
     # ---------------------------------------------------------------- atomic sharded checkpoints
+    #: its ``save_checkpoint`` writes Lightning's ModelParallelStrategy layouts (one file, or tensors through DCP +
+    #: ``meta.pt``), which ``checkpoint.async_save`` reproduces (:func:`parallelkit.distributed.async_checkpoint.checkpoint_layout`).
+    writes_model_parallel_layout = True
+
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
         """A sharded checkpoint directory: every rank writes its shard, rank 0 ``meta.pt`` last (the completion

@@ -214,7 +214,9 @@ class ParameterServerStrategy(DDPStrategy):
         self.model_to_device()
         self.setup_optimizers(trainer)
         if len(self.optimizers) != 1:
-            raise ConfigError(f"strategy=ps trains with one optimizer (the tables use its kind and learning rate); the module configured {len(self.optimizers)}.")
+            raise ConfigError(
+                f"strategy=ps trains with one optimizer (the tables use its kind and learning rate); the module configured {len(self.optimizers)}."
+            )
         self.setup_precision_plugin()
         _optimizers_to_device(self.optimizers, self.root_device)
         self._route_sigterm_broadcast(trainer)

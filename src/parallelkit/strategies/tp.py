@@ -48,7 +48,9 @@ class TensorParallelStrategy(ComposedStrategy):
             raise ConfigError(f"strategy.sequence_parallel should be true or false. Got {sequence_parallel!r}.")
         for name in ("sharding", "pp", "ep"):
             if kwargs.get(name, 1) != 1:
-                raise ConfigError(f"strategy=tp takes only tp and dp degrees; strategy.{name}={kwargs[name]} would be ignored. Use strategy=hybrid4d to combine them.")
+                raise ConfigError(
+                    f"strategy=tp takes only tp and dp degrees; strategy.{name}={kwargs[name]} would be ignored. Use strategy=hybrid4d to combine them."
+                )
             kwargs.pop(name, None)
         super().__init__(ParallelDims.request(dp=dp, tp=tp), ParallelOptions(sequence_parallel=sequence_parallel), plan=plan, **kwargs)
 

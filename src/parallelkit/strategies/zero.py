@@ -71,9 +71,17 @@ class ZeroStrategy(ComposedStrategy):
                 "cannot keep them on the host. Use strategy.stage=3, or strategy.offload=optimizer with stage 1 or 2."
             )
         if offload == "optimizer" and stage in (0, 3):
-            hint = "stage 3 offloads with offload=params (FSDP2 moves parameters, gradients and optimizer state together)" if stage == 3 else "stage 0 has no sharded optimizer to offload"
+            hint = (
+                "stage 3 offloads with offload=params (FSDP2 moves parameters, gradients and optimizer state together)"
+                if stage == 3
+                else "stage 0 has no sharded optimizer to offload"
+            )
             raise ConfigError(f"strategy.offload=optimizer needs strategy.stage=1 or 2; {hint}.")
-        if sharding_group is not None and sharding_group != -1 and (not isinstance(sharding_group, int) or isinstance(sharding_group, bool) or sharding_group < 1):
+        if (
+            sharding_group is not None
+            and sharding_group != -1
+            and (not isinstance(sharding_group, int) or isinstance(sharding_group, bool) or sharding_group < 1)
+        ):
             raise ConfigError(f"strategy.sharding_group must be a positive int (ranks per sharding group) or null/-1 (all ranks). Got {sharding_group!r}.")
         if not isinstance(bucket_cap_mb, (int, float)) or bucket_cap_mb <= 0:
             raise ConfigError(f"strategy.bucket_cap_mb should be a number greater than 0. Got {bucket_cap_mb!r}.")
@@ -142,7 +150,9 @@ def check_unit_policy(stage: int, per_block: bool, shard_modules: Any, shard_min
         raise ConfigError(f"strategy.shard_min_params should be an int greater than 0 (parameters per sharding unit) or null. Got {shard_min_params!r}.")
     chosen = [name for name, value in (("shard_modules", shard_modules), ("shard_min_params", shard_min_params)) if value]
     if chosen and stage != 3:
-        raise ConfigError(f"strategy.{chosen[0]} chooses ZeRO-3's sharding units, but strategy.stage={stage} does not shard parameters. Use strategy.stage=3, or drop it.")
+        raise ConfigError(
+            f"strategy.{chosen[0]} chooses ZeRO-3's sharding units, but strategy.stage={stage} does not shard parameters. Use strategy.stage=3, or drop it."
+        )
     if len(chosen) == 2:
         raise ConfigError("strategy.shard_modules and strategy.shard_min_params are two policies for the same units; set one of them.")
     if chosen and not per_block:

@@ -15,7 +15,7 @@ import copy
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from omegaconf import DictConfig
@@ -48,10 +48,10 @@ def generate(model: torch.nn.Module, prompt_ids: list[int], new_tokens: int, blo
     return ids[0].tolist()
 
 
-def predict(cfg: DictConfig, trainer: Any, module: Any, datamodule: Any, out: Path) -> dict[str, Any] | None:
-    """Score the validation set on every rank, generate on rank 0, write ``predict.json`` (rank 0)."""
-    from parallelkit.launch import local_ranks, startup_gc
-
+def predict(cfg: DictConfig, trainer: Any, module: Any, datamodule: Any, out: Path,
+            start_work: Callable[[], None] = lambda: None) -> dict[str, Any] | None:
+    """Score the validation set on every rank, generate on rank 0, write ``predict.json`` (rank 0).
+    ``start_work``: the launcher's, once the model is copied (:meth:`parallelkit.run.LaunchHooks.start_work`)."""
     options = cfg.get("predict") or {}
     # Generation runs on rank 0 with an unsharded copy taken now: after validate the strategy may have split
     # the module across ranks (and reading the checkpoint again would be a collective rank 0 runs alone).
@@ -59,8 +59,7 @@ def predict(cfg: DictConfig, trainer: Any, module: Any, datamodule: Any, out: Pa
     # A tiled image (data=raster): every rank predicts its own tiles with an unsharded copy, and the cores are
     # written into one predictions.npy (parallelkit.data.raster) — reassembly without gathering the image.
     tiled = copy.deepcopy(parallel_model(module)) if hasattr(datamodule, "write_predictions") else None
-    startup_gc.resume()
-    local_ranks.share_cores()
+    start_work()
     results = trainer.validate(module, datamodule=datamodule, verbose=False)
     tiles = datamodule.write_predictions(tiled, trainer.strategy, out) if tiled is not None else None
     if not trainer.is_global_zero:
@@ -78,7 +77,14 @@ def predict(cfg: DictConfig, trainer: Any, module: Any, datamodule: Any, out: Pa
         model = generator_model
         prompt = encode_prompt(datamodule, options.get("prompt", "\n"))
         for k in range(int(options["samples"])):
-            ids = generate(model, prompt, int(options.get("new_tokens", 200)), datamodule.model_kwargs()["block_size"], float(options.get("temperature", 0.8)), cfg.seed + k)
+            ids = generate(
+                model,
+                prompt,
+                int(options.get("new_tokens", 200)),
+                datamodule.model_kwargs()["block_size"],
+                float(options.get("temperature", 0.8)),
+                cfg.seed + k,
+            )
             summary["samples"].append(datamodule.decode(ids))
     out.mkdir(parents=True, exist_ok=True)
     tmp = out / "predict.json.tmp"

@@ -41,9 +41,24 @@ class CTRModel(nn.Module):
         loss = model.loss(model(ids), labels)
     """
 
-    def __init__(self, num_fields: int = 8, num_rows: int = 800000, embedding_dim: int = 16, hidden: list[int] | tuple[int, ...] = (64, 32), init_scale: float = 0.05, embedding_seed: int = 0, sparse: bool = True, max_dense_bytes: int = 2**30) -> None:
+    def __init__(
+        self,
+        num_fields: int = 8,
+        num_rows: int = 800000,
+        embedding_dim: int = 16,
+        hidden: list[int] | tuple[int, ...] = (64, 32),
+        init_scale: float = 0.05,
+        embedding_seed: int = 0,
+        sparse: bool = True,
+        max_dense_bytes: int = 2**30,
+    ) -> None:
         super().__init__()
-        for name, value in (("num_fields", num_fields), ("num_rows", num_rows), ("embedding_dim", embedding_dim), *((f"hidden[{i}]", h) for i, h in enumerate(hidden))):
+        for name, value in (
+            ("num_fields", num_fields),
+            ("num_rows", num_rows),
+            ("embedding_dim", embedding_dim),
+            *((f"hidden[{i}]", h) for i, h in enumerate(hidden)),
+        ):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"model.{name} should be an int greater than 0. Got {value!r}.")
         self.num_fields = num_fields

@@ -92,8 +92,17 @@ class GPT(nn.Module):
         loss = model.loss(logits, targets)
     """
 
-    def __init__(self, vocab_size: int = 128, block_size: int = 64, n_layer: int = 4, n_head: int = 4, n_embd: int = 128, dropout: float = 0.0, bias: bool = True,
-                 tie_embeddings: bool = False) -> None:
+    def __init__(
+        self,
+        vocab_size: int = 128,
+        block_size: int = 64,
+        n_layer: int = 4,
+        n_head: int = 4,
+        n_embd: int = 128,
+        dropout: float = 0.0,
+        bias: bool = True,
+        tie_embeddings: bool = False,
+    ) -> None:
         super().__init__()
         from parallelkit.errors import ConfigError
 

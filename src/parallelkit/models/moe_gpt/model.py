@@ -67,7 +67,9 @@ class MoELayer(nn.Module):
         jitter: multiplicative uniform noise ``[1 - jitter, 1 + jitter]`` on the router input in training.
     """
 
-    def __init__(self, cfg: GPTConfig, num_experts: int, top_k: int, capacity_factor: float, aux_loss_weight: float, z_loss_weight: float = 0.0, jitter: float = 0.0) -> None:
+    def __init__(
+        self, cfg: GPTConfig, num_experts: int, top_k: int, capacity_factor: float, aux_loss_weight: float, z_loss_weight: float = 0.0, jitter: float = 0.0
+    ) -> None:
         super().__init__()
         self.num_experts = num_experts
         self.top_k = top_k
@@ -301,7 +303,9 @@ class MoEGPT(GPT):
         }
 
 
-def _check_moe_args(num_experts: Any, top_k: Any, capacity_factor: Any, aux_loss_weight: Any, z_loss_weight: Any, jitter: Any, moe_every: Any, n_layer: Any) -> None:
+def _check_moe_args(
+    num_experts: Any, top_k: Any, capacity_factor: Any, aux_loss_weight: Any, z_loss_weight: Any, jitter: Any, moe_every: Any, n_layer: Any
+) -> None:
     from parallelkit.errors import ConfigError
 
     def is_int(v: Any) -> bool:
@@ -315,7 +319,9 @@ def _check_moe_args(num_experts: Any, top_k: Any, capacity_factor: Any, aux_loss
     if not is_int(top_k) or top_k < 1:
         raise ConfigError(f"model.top_k should be an int greater than 0 (1 or 2 is usual). Got {top_k!r}.")
     if top_k > num_experts:
-        raise ConfigError(f"model.top_k={top_k} is more than model.num_experts={num_experts}: a token cannot pick more experts than exist. Use top_k <= {num_experts}.")
+        raise ConfigError(
+            f"model.top_k={top_k} is more than model.num_experts={num_experts}: a token cannot pick more experts than exist. Use top_k <= {num_experts}."
+        )
     if not is_num(capacity_factor) or capacity_factor <= 0:
         raise ConfigError(
             f"model.capacity_factor should be a number greater than 0 (1.0-2.0 is usual; {num_experts / top_k:g} = "
