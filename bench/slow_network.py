@@ -57,6 +57,8 @@ def methods(steps: int) -> dict[str, list[str]]:
         f"diloco_h{h}": ["callbacks=[diloco]", f"callbacks.diloco.inner_steps={h}"],
         f"streaming_diloco_h{h}": ["callbacks=[diloco]", f"callbacks.diloco.inner_steps={h}", "callbacks.diloco.fragments=4",
                                    "callbacks.diloco.overlap_steps=1", "callbacks.diloco.outer_dtype=bf16"],
+        f"streaming_diloco_h{h}_int8": ["callbacks=[diloco]", f"callbacks.diloco.inner_steps={h}", "callbacks.diloco.fragments=4",
+                                        "callbacks.diloco.overlap_steps=1", "callbacks.diloco.outer_dtype=int8"],
     }
 
 

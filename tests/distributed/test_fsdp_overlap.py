@@ -16,7 +16,9 @@ Rank 1's head start must outlast the scheduler: on a loaded machine rank 0 can b
 milliseconds, and once rank 1 is ahead, rank 0's prefetched gather completes before its block starts computing
 (the overlap happened, but the trace cannot see it). With a 16 ms head start the check failed about 1 run in 5
 on a loaded 2-core machine; :func:`test_the_trace_sees_the_overlap_through_a_stall_of_rank_0` stalls rank 0 on
-purpose for longer than that, and passes with the head start below.
+purpose for longer than that, and passes with the head start below. Beside other heavy jobs (a second test suite)
+a single traced step still missed one collective's overlap now and then, so four steps are traced: each collective's
+overlap must show in one of them, and the negative control must show none in any.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ BLOCKS, WIDTH, ROWS = 4, 64, 8
 COMPUTE_S = 0.04  # per block, forward and backward
 SKEW_S = 0.02  # rank 1's extra time per block, and twice that before the first (its head start: 40 ms)
 STALL_S = 0.025  # a scheduler's hold on rank 0 (longer than the 16 ms head start that failed now and then)
+TRACED_STEPS = 4  # beside other heavy jobs one step's trace failed now and then (1 in ~3 suite runs): see _seen_in_one_step
 
 
 class _BackwardMark(torch.autograd.Function):
@@ -124,22 +127,24 @@ def _trace(rank: int, world: int, prefetch: bool, stall_s: float = 0.0) -> dict:
         unit.register_forward_pre_hook(count_gathered)
 
     x = _data(rank)
-    for step in range(2):  # the first step includes FSDP's lazy initialisation; the second is traced
+    steps = []
+    for step in range(1 + TRACED_STEPS):  # the first step includes FSDP's lazy initialisation; the others are traced
         log.clear(), calls.clear(), ahead.clear()
+        for p in model.parameters():
+            p.grad = None  # no optimizer step: every step computes the same gradients
         dist.barrier()
         model(x).square().mean().backward()
-        if step == 0:
-            for p in model.parameters():
-                p.grad = None
+        if step:
+            steps.append({"log": list(log), "calls": [dict(c) for c in calls], "ahead": list(ahead)})
     dist.all_to_all_single = dist_a2a
     grads = {name: p.grad.full_tensor() for name, p in model.named_parameters()}
 
     full = torch.cat([_data(r) for r in range(world)])
     reference(full).square().mean().backward()
+    block_numel = sum(p.numel() for p in model.blocks[0].parameters()) // world
     return {
-        "log": log, "calls": calls, "ahead": ahead, "grads": grads,
+        "steps": [{**traced_step, "block_numel": block_numel} for traced_step in steps], "grads": grads,
         "reference": {name: p.grad for name, p in reference.named_parameters()},
-        "block_numel": sum(p.numel() for p in model.blocks[0].parameters()) // world,
         "unit_of": unit_of,
     }
 
@@ -179,19 +184,30 @@ def _backward_overlaps(result: dict) -> tuple[list[bool], list[bool]]:
     return rs, ag
 
 
+def _overlaps(step: dict) -> tuple[list[bool], list[bool], list[bool]]:
+    return (_forward_overlaps(step), *_backward_overlaps(step))
+
+
+def _seen_in_one_step(result: dict) -> bool:
+    """Every collective overlapped its block's compute in at least one traced step: a moment in which the scheduler
+    held rank 0 back (rank 1 then ahead) hides that collective's overlap from the trace, not from the schedule; without
+    prefetching no collective overlaps in any step (the negative control)."""
+    per_step = [_overlaps(step) for step in result["steps"]]
+    return all(any(flags[kind][i] for flags in per_step) for kind in range(3) for i in range(len(per_step[0][kind])))
+
+
 def test_prefetched_collectives_run_while_blocks_compute(traces):
     rank0 = traces[True][0]
-    assert all(_forward_overlaps(rank0)), _forward_overlaps(rank0)
-    reduce_scatters, gathers = _backward_overlaps(rank0)
-    assert all(reduce_scatters), reduce_scatters
-    assert all(gathers), gathers
-    assert len(_block_collectives(rank0, "gather")) == 2 * BLOCKS  # resharded after forward: gathered again
+    assert _seen_in_one_step(rank0), [_overlaps(step) for step in rank0["steps"]]
+    for step in rank0["steps"]:
+        assert len(_block_collectives(step, "gather")) == 2 * BLOCKS  # resharded after forward: gathered again
 
 
 def test_at_most_one_block_is_gathered_ahead(traces):
     # at a block's forward: itself and the next one (prefetch), never more; without prefetching only itself
-    assert max(traces[True][0]["ahead"]) == 2 and max(traces[True][1]["ahead"]) == 2
-    assert max(traces[False][0]["ahead"]) == 1
+    for rank in (0, 1):
+        assert max(max(step["ahead"]) for step in traces[True][rank]["steps"]) == 2
+    assert max(max(step["ahead"]) for step in traces[False][0]["steps"]) == 1
 
 
 def test_prefetch_and_overlap_keep_the_gradients_exact(traces):
@@ -202,16 +218,13 @@ def test_prefetch_and_overlap_keep_the_gradients_exact(traces):
 
 
 def test_negative_control_without_prefetch_every_collective_waits_between_blocks(traces):
-    rank0 = traces[False][0]
-    assert not any(_forward_overlaps(rank0))
-    reduce_scatters, gathers = _backward_overlaps(rank0)
-    assert not any(reduce_scatters) and not any(gathers)
+    # in every traced step, so that "seen in one step" above cannot be luck of the timing
+    for step in traces[False][0]["steps"]:
+        assert not any(any(flags) for flags in _overlaps(step)), _overlaps(step)
 
 
 def test_the_trace_sees_the_overlap_through_a_stall_of_rank_0(tmp_path):
     """Rank 0 held back longer than the old head start (16 ms): rank 1 must still be behind, so the trace still
     sees every prefetched collective in flight while a block computes."""
     rank0 = run_ranks(_trace, 2, tmp_path, True, STALL_S)[0]
-    assert all(_forward_overlaps(rank0)), _forward_overlaps(rank0)
-    reduce_scatters, gathers = _backward_overlaps(rank0)
-    assert all(reduce_scatters) and all(gathers), (reduce_scatters, gathers)
+    assert _seen_in_one_step(rank0), [_overlaps(step) for step in rank0["steps"]]

@@ -115,17 +115,17 @@ def test_stage3_offload_params_resumes_from_its_checkpoint(reference, tmp_path):
     check_run(resumed, reference, 3)  # steps 11-20 continue from the restored weights, moments and schedule
 
 
-def test_continuing_another_strategys_checkpoint_with_params_offload_is_a_clear_error(tmp_path):
-    """Any other checkpoint continues into stage 1-3 (tests/integration/test_layout_change_resume.py); with
-    offload=params the partitions live in DeepSpeed's buffers: refused before any rank starts, naming what works."""
+def test_continuing_another_strategys_checkpoint_at_stage_0_is_a_clear_error(tmp_path):
+    """Any other checkpoint continues into stage 1-3, with or without offload (tests/integration/
+    test_layout_change_resume.py); stage 0 keeps no partitions to write it into: refused before any rank starts,
+    naming what works."""
     run_dir = tmp_path / "run"
     proc = train([*TINY, "strategy=single", "trainer.max_steps=2", f"hydra.run.dir={run_dir}"], cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-4000:]
     ckpt = next((run_dir / "checkpoints").glob("*.ckpt"))
-    proc = train([*DS, "strategy.stage=3", "strategy.offload=params", "trainer.max_steps=4", f"ckpt_path='{ckpt}'",
-                  f"hydra.run.dir={tmp_path / 'ds'}"], cwd=tmp_path)
+    proc = train([*DS, "strategy.stage=0", "trainer.max_steps=4", f"ckpt_path='{ckpt}'", f"hydra.run.dir={tmp_path / 'ds'}"], cwd=tmp_path)
     assert proc.returncode == 2, proc.stderr[-4000:]
-    assert "was not written by strategy=deepspeed" in proc.stderr and "without strategy.offload=params" in proc.stderr
+    assert "was not written by strategy=deepspeed" in proc.stderr and "needs strategy.stage 1-3" in proc.stderr
     assert not (tmp_path / "ds").exists()
 
 

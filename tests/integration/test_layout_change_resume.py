@@ -47,6 +47,7 @@ LAYOUTS = {
     "zero3_offload": ["strategy=zero", "strategy.stage=3", "strategy.offload=params", "trainer.devices=2"],
     "tp_sp": ["strategy=tp", "strategy.tp=2", "strategy.sequence_parallel=true", "trainer.devices=2"],
     "ds1": ["strategy=deepspeed", "strategy.stage=1", "trainer.devices=2"],
+    "ds3_params": ["strategy=deepspeed", "strategy.stage=3", "strategy.offload=params", "trainer.devices=2"],
 }
 # (saved by, continued by): every pair that failed before (a pipeline's per-stage groups read whole or by another
 # layout, a sharded directory read by DDP, a one-process file read per stage), and the reverse directions.
@@ -59,7 +60,9 @@ SLOW_PAIRS = [("pp", "ddp"), ("pp", "zero3"), ("tp", "pp"), ("single", "pp"), ("
               ("single", "tp"), ("tp", "zero3"), ("zero3_4", "ddp"), ("ppi", "single"), ("dp2tp2", "pp2dp2"),
               # the rest of the issue's list: sharding groups, offload, sequence parallel, DeepSpeed stage 1
               ("zero3_groups", "tp_sp"), ("tp_sp", "zero2_offload"), ("zero3_offload", "ds1"), ("ds1", "zero3_groups"),
-              ("ddp", "zero3_offload")]
+              ("ddp", "zero3_offload"),
+              # DeepSpeed with its parameters offloaded (ZeRO-Infinity on the host) both ways
+              ("ddp", "ds3_params"), ("ds3_params", "tp")]
 
 
 def final_state(run_dir: Path) -> tuple[dict, dict]:

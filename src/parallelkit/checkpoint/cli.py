@@ -26,9 +26,9 @@ ONE_FILE = ("single", "ddp", "ddp_fp16", "auto")
 SHARDED = ("tp", "pp", "zero", "hybrid4d", "moe")
 #: what a continuation (``ckpt_path=``) accepts, as tests/integration/test_layout_change_resume.py and
 #: test_context_parallel_train.py check, from every kind of checkpoint (one file, sharded directory, DeepSpeed's).
-LOADS_INTO = ("single, ddp, zero stage 1/2/3, tp, pp, hybrid4d (incl. context parallel), deepspeed stage 1/2/3, "
+LOADS_INTO = ("single, ddp, zero stage 1/2/3, tp, pp, hybrid4d (incl. context parallel), deepspeed stage 1/2/3 (also offloaded), "
               "at any device count and degrees")
-NOT_YET = "deepspeed stage 0 or with strategy.offload=params: from its own DeepSpeed directories only"
+NOT_YET = "deepspeed stage 0: from its own DeepSpeed directories only (strategy=ddp continues any checkpoint)"
 
 
 def describe_layout(ckpt: Checkpoint) -> dict[str, Any]:

@@ -169,9 +169,9 @@ def load_into_deepspeed_engine(engine: Any, state_dict: dict[str, torch.Tensor],
         groups, flats = opt.round_robin_bit16_groups, opt.single_partition_of_fp32_groups
         rank = torch.distributed.get_rank(group=opt.real_dp_process_group[0])
     else:
-        if any(f is None or f.numel() == 0 for f in opt.fp16_partitioned_groups_flat):
-            raise ConfigError("strategy=deepspeed strategy.offload=params continues only from its own checkpoints (its partitions live in "
-                              "DeepSpeed's offload buffers); continue without params offload, or from a DeepSpeed checkpoint.")
+        if any(f is None for f in opt.fp16_partitioned_groups_flat):  # parameters swapped out to NVMe: no host buffer
+            raise ConfigError("strategy=deepspeed with parameters offloaded to NVMe continues only from its own checkpoints "
+                              "(its partitions live in swap files); offload to the host (strategy.offload=params) or continue without it.")
         groups, flats = opt.fp16_groups, opt.fp32_partitioned_groups_flat
         rank = torch.distributed.get_rank(group=opt.dp_process_group)
     for g, (params, flat) in enumerate(zip(groups, flats)):

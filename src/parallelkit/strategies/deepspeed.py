@@ -259,9 +259,9 @@ class DeepSpeedStrategy(ParallelKitStrategyMixin, LightningDDPStrategy):
                     f"ckpt_path={checkpoint_path} is an incomplete DeepSpeed checkpoint (no model states): its writer died. Use an earlier checkpoint."
                 )
             return
-        if self.stage == 0 or self.offload == "params":
+        if self.stage == 0:
             raise ConfigError(f"ckpt_path={checkpoint_path} was not written by strategy=deepspeed; a continuation into DeepSpeed from another "
-                              "layout needs strategy.stage 1-3 without strategy.offload=params (its partitions live in DeepSpeed's buffers).")
+                              "layout needs strategy.stage 1-3 (stage 0 keeps no partitions to write into; strategy=ddp continues it).")
         if expected_shapes is not None:
             check_compatible(path, dict(expected_shapes))
 
