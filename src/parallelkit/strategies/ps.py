@@ -39,7 +39,7 @@ from parallelkit.distributed.elastic import DEFAULT_TIMEOUT_S, init_process_grou
 from parallelkit.errors import ConfigError
 from parallelkit.models.plans import model_plans, parallel_model
 from parallelkit.ps import server as ps_server
-from parallelkit.ps.client import PSClient
+from parallelkit.ps.client import PS, PSClient
 from parallelkit.ps.embedding import ShardedEmbedding, apply_parameter_server
 from parallelkit.ps.roles import PSDims, init_rpc, rpc_name
 from parallelkit.ps.table import table_optimizer
@@ -207,7 +207,9 @@ class ParameterServerStrategy(DDPStrategy):
             return
         dims = self.parallel_dims
         servers = [rpc_name(r) for r in dims.server_ranks()]
-        self.client = PSClient(servers, self.global_rank, dims.workers, self.mode, self.geo_k_steps, self.comm_stats)
+        self.client = PSClient(
+            servers, self.global_rank, dims.workers, self.mode, self.geo_k_steps, self.comm_stats, round_barrier=self._geo_round_barrier
+        )
         self._sharded = apply_parameter_server(parallel_model(module), tables, self.client)
         for spec in tables.values():
             self.client.create_table(spec)
@@ -282,6 +284,10 @@ class ParameterServerStrategy(DDPStrategy):
             return result
 
         return super().optimizer_step(optimizer, closure_then_sync, model, **kwargs)
+
+    def _geo_round_barrier(self) -> None:
+        with counting(self.comm_stats, PS):  # empty messages: counted as a collective, 0 payload bytes
+            dist.barrier(group=self._worker_group)
 
     def _allreduce_dense_grads(self) -> None:
         workers = self.parallel_dims.workers
