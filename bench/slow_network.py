@@ -19,8 +19,8 @@ one panel per link.
     python bench/slow_network.py --steps 120 --links 100mbit,1gbit --only dense,diloco_h8,local_adaptive
 
 Where namespaces are not allowed (not root, no ``unshare``/``tc``, a container without CAP_SYS_ADMIN) it says
-why and exits 0 without numbers. Not built: hierarchical all-reduce across a throttled "node" boundary (two
-namespaces joined by a veth pair) — this script throttles one link that all ranks share.
+why and exits 0 without numbers. This script throttles one link that all ranks share; hierarchical all-reduce
+across a throttled "node" boundary (two namespaces joined by a veth pair) is ``bench/node_link.py``.
 """
 
 from __future__ import annotations
@@ -51,6 +51,14 @@ def methods(steps: int) -> dict[str, list[str]]:
         "powersgd_r4": ["callbacks=[grad_compression]", "callbacks.grad_compression.method=powersgd", "callbacks.grad_compression.powersgd_rank=4"],
         "dgc_adamw": ["callbacks=[dgc]", f"callbacks.dgc.rampup_steps={max(steps // 5, 5)}"],
         "dgc_sgd": ["optim=sgd", "callbacks=[dgc]", f"callbacks.dgc.rampup_steps={max(steps // 5, 5)}"],
+        # What DGC and PowerSGD need at this step budget (docs/communication.md): the paper's local gradient clipping
+        # and a final sparsity whose period 1/(1 - s) is short beside the run; PowerSGD dense for the first fifth.
+        # dense_sgd is the reference of the optim=sgd rows.
+        "dense_sgd": ["optim=sgd"],
+        "dgc_sgd_clip_s90": ["optim=sgd", "callbacks=[dgc]", f"callbacks.dgc.rampup_steps={max(steps // 5, 5)}",
+                             "callbacks.dgc.local_clip_norm=1.0", "callbacks.dgc.sparsity=[0.75,0.9]"],
+        "powersgd_r4_start": ["callbacks=[grad_compression]", "callbacks.grad_compression.method=powersgd",
+                              "callbacks.grad_compression.powersgd_rank=4", f"callbacks.grad_compression.start_iter={max(steps // 5, 2)}"],
         "local_k4": ["callbacks=[local_sgd]", "callbacks.local_sgd.k_steps=4"],
         "post_local_k4": ["callbacks=[local_sgd]", "callbacks.local_sgd.k_steps=4", f"callbacks.local_sgd.begin_step={steps // 10}"],
         "local_adaptive": ["callbacks=[local_sgd]", "callbacks.local_sgd.k_steps=4", "callbacks.local_sgd.adaptive=true"],
@@ -76,19 +84,25 @@ def namespaces_refused() -> str | None:
     return None
 
 
-def setup_link(rate_bits: float) -> None:
-    """Inside a fresh namespace: loopback up at MTU 1500, its egress limited to ``rate_bits`` per second."""
+def _in(netns: str | None) -> list[str]:
+    """``ip``/``tc`` options that act in network namespace ``netns`` (``None``: this process's own)."""
+    return ["-n", netns] if netns else []
+
+
+def setup_link(rate_bits: float, dev: str = "lo", netns: str | None = None) -> None:
+    """Inside a fresh namespace: loopback (or ``dev``, in ``netns``) up at MTU 1500, its egress limited to
+    ``rate_bits`` per second."""
     rate_bytes = rate_bits / 8
     # tbf needs a bucket of at least one packet and of what a kernel tick lets through; 4 ms of bytes covers both
     burst = max(16 * 1024, int(rate_bytes * 0.004))
-    subprocess.run(["ip", "link", "set", "lo", "mtu", "1500", "up"], check=True)
-    subprocess.run(["tc", "qdisc", "replace", "dev", "lo", "root", "tbf", "rate", f"{int(rate_bits)}bit",
+    subprocess.run(["ip", *_in(netns), "link", "set", dev, "mtu", "1500", "up"], check=True)
+    subprocess.run(["tc", *_in(netns), "qdisc", "replace", "dev", dev, "root", "tbf", "rate", f"{int(rate_bits)}bit",
                     "burst", str(burst), "latency", "200ms"], check=True)
 
 
-def qdisc_sent_bytes() -> int:
-    """Bytes the loopback's root qdisc has sent (``tc -s``): what really crossed the throttle."""
-    out = subprocess.run(["tc", "-s", "qdisc", "show", "dev", "lo"], capture_output=True, text=True, check=True).stdout
+def qdisc_sent_bytes(dev: str = "lo", netns: str | None = None) -> int:
+    """Bytes the loopback's (or ``dev``'s, in ``netns``) root qdisc has sent (``tc -s``): what really crossed the throttle."""
+    out = subprocess.run(["tc", *_in(netns), "-s", "qdisc", "show", "dev", dev], capture_output=True, text=True, check=True).stdout
     match = re.search(r"Sent (\d+) bytes", out)
     return int(match.group(1)) if match else 0
 
@@ -160,10 +174,12 @@ class WallClock:
         return _WallClock(*args, **kwargs)
 
 
-def run_one(name: str, extra: list[str], args: argparse.Namespace, workdir: Path) -> dict:
+def job_command(name: str, extra: list[str], args: argparse.Namespace, workdir: Path, devices: int = 2) -> tuple[list[str], Path, Path]:
+    """The ``train.py`` command of one method (model, data, seed, schedule, validation and the clock from ``args``),
+    its run directory and its clock file."""
     run_dir, clock = workdir / name, workdir / f"{name}.clock"
     command = [
-        sys.executable, str(ROOT / "train.py"), "model=gpt", "data=chars", "trainer.devices=2",
+        sys.executable, str(ROOT / "train.py"), "model=gpt", "data=chars", f"trainer.devices={devices}",
         f"model.n_layer={args.n_layer}", f"model.n_head={args.n_head}", f"model.n_embd={args.n_embd}",
         f"data.seq_len={args.seq_len}", f"data.global_batch_size={args.global_batch_size}", f"seed={args.seed}",
         f"trainer.max_steps={args.steps}", f"trainer.val_check_interval={max(args.steps // 10, 1)}", "trainer.limit_val_batches=8",
@@ -171,7 +187,27 @@ def run_one(name: str, extra: list[str], args: argparse.Namespace, workdir: Path
         "checkpoint.every_n_steps=0", "+callbacks.clock._target_=slow_network.WallClock", f"+callbacks.clock.path={clock}",
         *extra, f"hydra.run.dir={run_dir}",
     ]
-    env = {**os.environ, "PYTHONPATH": f"{ROOT / 'bench'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "GLOO_SOCKET_IFNAME": "lo"}
+    return command, run_dir, clock
+
+
+def bench_pythonpath() -> str:
+    """``PYTHONPATH`` that lets the ranks import this script's callbacks (``slow_network.WallClock``)."""
+    return f"{ROOT / 'bench'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
+
+
+def read_run(run_dir: Path, clock: Path) -> tuple[dict, list]:
+    """A finished run's ``summary.json`` and its validation curve: (training seconds, validation loss) pairs."""
+    summary = json.loads((run_dir / "summary.json").read_text())
+    with open(run_dir / "metrics.csv") as f:
+        val = {int(r["step"]) + 1: float(r["val_loss"]) for r in csv.DictReader(f) if r.get("val_loss")}
+    times = dict(map(float, line.split()) for line in clock.read_text().split("\n") if line.strip())
+    curve = [(times[s], v) for s, v in sorted(val.items()) if s in times]  # (training seconds, val loss)
+    return summary, curve
+
+
+def run_one(name: str, extra: list[str], args: argparse.Namespace, workdir: Path) -> dict:
+    command, run_dir, clock = job_command(name, extra, args, workdir)
+    env = {**os.environ, "PYTHONPATH": bench_pythonpath(), "GLOO_SOCKET_IFNAME": "lo"}
     sent_before = qdisc_sent_bytes()
     start = time.perf_counter()
     proc = subprocess.run(command, cwd=workdir, capture_output=True, text=True, timeout=args.timeout, env=env)
@@ -179,11 +215,7 @@ def run_one(name: str, extra: list[str], args: argparse.Namespace, workdir: Path
     qdisc = qdisc_sent_bytes() - sent_before
     if proc.returncode != 0:
         return {"name": name, "error": f"exit {proc.returncode}: {proc.stderr[-1500:]}"}
-    summary = json.loads((run_dir / "summary.json").read_text())
-    with open(run_dir / "metrics.csv") as f:
-        val = {int(r["step"]) + 1: float(r["val_loss"]) for r in csv.DictReader(f) if r.get("val_loss")}
-    times = dict(map(float, line.split()) for line in clock.read_text().split("\n") if line.strip())
-    curve = [(times[s], v) for s, v in sorted(val.items()) if s in times]  # (training seconds, val loss)
+    summary, curve = read_run(run_dir, clock)
     counted = summary["comm"]["bytes_sent_per_step"]
     return {"name": name, "overrides": extra, "wall_s": wall, "train_s": curve[-1][0] if curve else None,
             "bytes_per_step": counted, "qdisc_bytes": qdisc, "throttled": qdisc >= 2 * counted * args.steps,
