@@ -278,12 +278,19 @@ def report(all_results: dict) -> list[str]:
 
 
 def load_results() -> dict:
-    return json.loads((RESULTS / "slow_network.json").read_text())
+    results = json.loads((RESULTS / "slow_network.json").read_text())
+    tuned = RESULTS / "slow_network_tuned.json"  # --tag _tuned: the settings DGC and PowerSGD need (docs/communication.md)
+    if tuned.exists():
+        results["tuned"] = json.loads(tuned.read_text())["results"]
+    return results
 
 
 def tables(results: dict) -> dict[str, str]:
-    """The Markdown table of saved results (``--table``; bench/docs_tables.py)."""
-    return {"": "\n".join(report(results["results"]))}
+    """The Markdown tables of saved results (``--table``; bench/docs_tables.py): all methods, and ``tuned``."""
+    out = {"all": "\n".join(report(results["results"]))}
+    if "tuned" in results:
+        out["tuned"] = "\n".join(report(results["tuned"]))
+    return out
 
 
 def plot(all_results: dict, path: Path) -> None:
@@ -338,7 +345,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.inside:
         return inside(args)
     if args.table:
-        print(tables(json.loads((RESULTS / f"slow_network{args.tag}.json").read_text()))[""])
+        print("\n\n".join(tables(json.loads((RESULTS / f"slow_network{args.tag}.json").read_text())).values()))
         return
     reason = namespaces_refused()
     if reason:
