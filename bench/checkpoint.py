@@ -235,7 +235,9 @@ def stalls(rank0: dict, steps: int) -> dict:
     for r, w in zip(saves, windows):
         excess = sum((b - a) - base for a, b in durations if overlaps(a, b, w))
         waited = max(0.0, min(previous_end, w[0] + r["stall_s"]) - w[0])  # for the previous save's write (one in flight)
-        rows.append({"step": r["step"], "stall_s": r["stall_s"], "waited_s": waited, "write_s": r["write_s"], "step_time_excess_s": excess})
+        rows.append({"step": r["step"], "stall_s": r["stall_s"], "waited_s": waited, "write_s": r["write_s"], "step_time_excess_s": excess,
+                     # of an async stall: Lightning's checkpoint dump (the strategy's state dicts) and the staging/planning after it
+                     "dump_s": r.get("dump_s"), "stage_s": r.get("stage_s")})
         previous_end = w[1]
     return {"median_step_s": base, "saves": rows}
 
@@ -256,6 +258,11 @@ def measure(args: argparse.Namespace, tmp: Path) -> list[dict]:
     return rows
 
 
+def _median_of(saves: list[dict], key: str) -> float | None:
+    values = [s[key] for s in saves if s.get(key) is not None]
+    return statistics.median(values) if values else None
+
+
 def summarize(row: dict) -> dict:
     sync_saves = [s["stall_s"] for s in row["sync"]["saves"]]
     async_saves = row["async"]["saves"]
@@ -272,6 +279,9 @@ def summarize(row: dict) -> dict:
         "sync_save_s": statistics.median(sync_saves),
         "async_stall_first_s": async_saves[0]["stall_s"],
         "async_stall_s": statistics.median(warm),
+        # where the warm stall goes (None in results written before these were recorded)
+        "async_dump_s": _median_of(async_saves[1:] or async_saves, "dump_s"),
+        "async_stage_s": _median_of(async_saves[1:] or async_saves, "stage_s"),
         "stall_ratio": statistics.median(warm) / statistics.median(sync_saves),
         "async_write_s": statistics.median([s["write_s"] for s in async_saves]),
         "async_step_excess_s": statistics.median([s["step_time_excess_s"] for s in async_saves]),
