@@ -108,6 +108,16 @@ _TRUSTED = (
 _BUILTINS = {"set", "frozenset", "slice", "complex", "bytearray", "bytes", "range", "dict", "list", "tuple", "int", "float", "str", "bool", "object"}
 
 
+def _enum_member(owner: Any, name: str) -> Any:
+    """``getattr`` for the unpickler, limited to a member of an Enum class of a trusted package (such a class got
+    here through ``find_class``): never a method or another attribute, which a crafted file could call."""
+    import enum
+
+    if isinstance(owner, enum.EnumMeta) and isinstance(name, str) and name in owner.__members__:
+        return owner.__members__[name]
+    raise pickle.UnpicklingError(f"the checkpoint holds getattr({owner!r}, {name!r}): only an Enum member is read this way")
+
+
 class _LazyUnpickler(pickle.Unpickler):
     """Torch's checkpoint pickle with every storage replaced by a reference to its record; only types of the
     packages that write checkpoints here are rebuilt (no arbitrary code from a crafted file)."""
@@ -125,6 +135,8 @@ class _LazyUnpickler(pickle.Unpickler):
             return lambda data, requires_grad, hooks, *rest: data
         if (module, name) == ("torch._tensor", "_rebuild_from_type_v2"):  # a Parameter (DeepSpeed stage 3's flat groups)
             return lambda func, new_type, args, state: func(*args)
+        if module in ("builtins", "__builtin__") and name == "getattr":
+            return _enum_member  # how some CPython releases pickle an Enum member: getattr(EnumClass, "NAME")
         if (module not in ("builtins", "__builtin__") and module.split(".")[0] not in _TRUSTED) or (
             module in ("builtins", "__builtin__") and name not in _BUILTINS
         ):
