@@ -100,10 +100,10 @@ def lr_factor(step: int, warmup: int, decay: int, min_ratio: float) -> float:
 
 
 def python_docs_tokens(vocab_multiple: int) -> tuple[list[int], int]:
-    """The token stream of ``data=chars`` (``CharsDataModule.build``): pydoc topics in sorted key order."""
-    from pydoc_data.topics import topics
+    """The token stream of ``data=chars`` (``CharsDataModule.build``): the packaged pydoc topics snapshot."""
+    from parallelkit.data.chars import load_python_docs
 
-    text = "\n\n".join(topics[key] for key in sorted(topics))
+    text = load_python_docs()
     chars = sorted(set(text))
     index = {ch: i for i, ch in enumerate(chars)}
     vocab = -(-len(chars) // vocab_multiple) * vocab_multiple

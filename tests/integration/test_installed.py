@@ -157,6 +157,13 @@ def test_installed_command_runs_a_users_config_and_package_from_any_directory(in
         assert str(REPO) not in probe["sys_path"] and str(REPO / "src") not in probe["sys_path"], rank
 
 
+def test_the_wheel_carries_the_default_corpus(installed):
+    """data=chars/text read the packaged snapshot (not the running Python's docs): it must be in the wheel."""
+    name = "python_docs_3.11.7.txt.gz"
+    shipped = installed.site / "parallelkit" / "data" / "corpora" / name
+    assert shipped.read_bytes() == (REPO / "src" / "parallelkit" / "data" / "corpora" / name).read_bytes()
+
+
 def test_the_wheel_carries_the_examples(installed, tmp_path):
     """``parallelkit examples DIR`` writes, from the installed package, what examples/ holds."""
     shipped = sorted(p.relative_to(REPO / "examples").as_posix() for p in (REPO / "examples").rglob("*")

@@ -1,13 +1,18 @@
-"""Character-level language modelling on real text that ships with every Python installation.
+"""Character-level language modelling on real text that ships with parallelkit.
 
-The default corpus is the Python documentation bundled in the standard library (``pydoc_data.topics``,
-about 465,000 characters of English prose and code examples): no download, same text on every machine
-with the same Python. Any UTF-8 text files can be used instead (``data.files=[a.txt,b.txt]``).
+The default corpus is the Python documentation's topic pages (``pydoc_data.topics`` of CPython 3.11.7, about
+465,000 characters of English prose and code examples, PSF license), kept in the package as
+``corpora/python_docs_3.11.7.txt.gz``: no download, and the same text on every machine whatever Python runs it.
+It used to be read from the running Python's own ``pydoc_data``, which differs between builds (Debian's 3.11.2
+has 1,049 more characters than 3.11.7), so losses and the README's figures depended on the installation.
+Any UTF-8 text files can be used instead (``data.files=[a.txt,b.txt]``).
 """
 
 from __future__ import annotations
 
-import importlib
+import gzip
+import hashlib
+from importlib import resources
 from pathlib import Path
 
 import torch
@@ -18,18 +23,21 @@ from parallelkit.data.base import DataParallelDataModule
 from parallelkit.errors import ConfigError
 
 PYTHON_DOCS = "python_docs"
+PYTHON_DOCS_SNAPSHOT = "python_docs_3.11.7.txt.gz"
+# The text's sha256, checked on every load: a damaged or replaced file must not silently change every loss.
+PYTHON_DOCS_SHA256 = "71f2ff5d99bdc1f9c48c5c2353ad138201c5ca1c377e0226857ef8fa89b8bcee"
 
 
 def load_python_docs() -> str:
-    """The pydoc topic texts of this Python installation, joined in sorted key order (deterministic)."""
-    try:
-        topics = importlib.import_module("pydoc_data.topics").topics
-    except ImportError as err:  # a stripped-down Python without pydoc_data
+    """The default corpus: CPython 3.11.7's pydoc topic texts joined in sorted key order, from the package."""
+    path = resources.files("parallelkit.data").joinpath("corpora", PYTHON_DOCS_SNAPSHOT)
+    text = gzip.decompress(path.read_bytes())
+    if hashlib.sha256(text).hexdigest() != PYTHON_DOCS_SHA256:
         raise ConfigError(
-            "data=chars with data.source=python_docs needs the standard library's pydoc_data module, which this "
-            "Python installation lacks. Point data.files at one or more UTF-8 text files instead."
-        ) from err
-    return "\n\n".join(topics[key] for key in sorted(topics))
+            f"the packaged corpus {path} is not the one parallelkit shipped (sha256 {hashlib.sha256(text).hexdigest()}, "
+            f"expected {PYTHON_DOCS_SHA256}). Reinstall parallelkit, or train on your own text with data.source=files data.files=[...]."
+        )
+    return text.decode("utf-8")
 
 
 def load_files(files: list[str]) -> str:
