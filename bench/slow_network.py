@@ -15,7 +15,7 @@ validation loss on the same link (or "not reached" with the best loss), final va
 (counted by parallelkit, per rank). ``bench/results/slow_network.png``: validation loss against training time,
 one panel per link.
 
-    python bench/slow_network.py                       # all methods, 3 links, 300 steps (as root)
+    python bench/slow_network.py                       # all methods, 3 links, 150 steps (as root)
     python bench/slow_network.py --steps 120 --links 100mbit,1gbit --only dense,diloco_h8,local_adaptive
 
 Where namespaces are not allowed (not root, no ``unshare``/``tc``, a container without CAP_SYS_ADMIN) it says
@@ -322,12 +322,14 @@ def plot(all_results: dict, path: Path) -> None:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=300)
+    # The defaults are the run docs/benchmarks.md's tables come from (GPT 2 x 128, 434 K parameters, 150 steps):
+    # long enough for every method to pass its warm-up and for DGC's stall to show, ~20-30 min for all 3 links.
+    p.add_argument("--steps", type=int, default=150)
     p.add_argument("--links", default=",".join(LINKS), help=f"comma-separated, of {list(LINKS)}")
     p.add_argument("--only", default=None, help="comma-separated methods (default: all); dense is always run")
     p.add_argument("--n-layer", type=int, default=2)
-    p.add_argument("--n-head", type=int, default=2)
-    p.add_argument("--n-embd", type=int, default=64)
+    p.add_argument("--n-head", type=int, default=4)
+    p.add_argument("--n-embd", type=int, default=128)
     p.add_argument("--seq-len", type=int, default=32)
     p.add_argument("--global-batch-size", type=int, default=16)
     p.add_argument("--seed", type=int, default=1234)

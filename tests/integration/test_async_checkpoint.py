@@ -25,7 +25,7 @@ HERE = Path(__file__).resolve().parent
 ARGS = [*TINY, "model.dropout=0.1", "checkpoint.every_n_steps=5", "trainer.devices=2"]
 ASYNC = ["checkpoint.async_save=true"]
 ENV = {"PYTHONPATH": f"{HERE}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-STRATEGIES = {"ddp": ["strategy=ddp"], "zero3": ["strategy=zero", "strategy.stage=3"]}
+STRATEGIES = {"ddp": ["strategy=ddp"], "zero3": ["strategy=zero", "strategy.stage=3"], "tp": ["strategy=tp", "strategy.tp=2"]}
 
 
 def slow_writes(delay_s: float, **kwargs) -> list[str]:
@@ -69,7 +69,7 @@ def synchronous(tmp_path_factory) -> dict[str, tuple[dict, Path]]:
     return Runs(runs)
 
 
-@pytest.mark.parametrize("name", ["ddp", "zero3"])
+@pytest.mark.parametrize("name", ["ddp", "zero3", "tp"])  # tp: every tensor a DTensor, staged as its local shard
 def test_async_saves_write_what_synchronous_saves_write(name, synchronous, tmp_path):
     reference, reference_dir = synchronous[name]
     run_dir = tmp_path / "async"
