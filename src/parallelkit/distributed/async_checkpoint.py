@@ -39,9 +39,9 @@ from __future__ import annotations
 import functools
 import os
 import shutil
-from collections import OrderedDict
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
