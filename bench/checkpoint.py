@@ -252,7 +252,9 @@ def stalls(rank0: dict, steps: int) -> dict:
         waited = max(0.0, min(previous_end, w[0] + r["stall_s"]) - w[0])  # for the previous save's write (one in flight)
         rows.append({"step": r["step"], "stall_s": r["stall_s"], "waited_s": waited, "write_s": r["write_s"], "step_time_excess_s": excess,
                      # of an async stall: Lightning's checkpoint dump (the strategy's state dicts) and the staging/planning after it
-                     "dump_s": r.get("dump_s"), "stage_s": r.get("stage_s")})
+                     "dump_s": r.get("dump_s"), "stage_s": r.get("stage_s"),
+                     # of an async stall: the wait, before the next optimizer step, for the copy of the parameters and moments
+                     "staged_wait_s": r.get("staged_wait_s")})
         previous_end = w[1]
     return {"median_step_s": base, "saves": rows}
 
@@ -297,6 +299,7 @@ def summarize(row: dict) -> dict:
         # where the warm stall goes (None in results written before these were recorded)
         "async_dump_s": _median_of(async_saves[1:] or async_saves, "dump_s"),
         "async_stage_s": _median_of(async_saves[1:] or async_saves, "stage_s"),
+        "async_staged_wait_s": _median_of(async_saves[1:] or async_saves, "staged_wait_s"),
         "stall_ratio": statistics.median(warm) / statistics.median(sync_saves),
         "async_write_s": statistics.median([s["write_s"] for s in async_saves]),
         "async_step_excess_s": statistics.median([s["step_time_excess_s"] for s in async_saves]),

@@ -13,15 +13,21 @@ from lightning.pytorch.callbacks import Callback
 class AsyncWriteFault(Callback):
     """Make every background checkpoint write of this job wait ``delay_s`` before it writes (so training visibly
     goes on meanwhile) and log each write; optionally kill global rank ``rank`` half-way through its ``nth`` write
-    (1-based), or write the tensors without staging them first (a deliberately broken writer).
+    (1-based), or write the tensors without staging them first (a deliberately broken writer). The delay comes
+    after the copy the writer makes on its thread (the parameters and moments, while the next step computes):
+    a slow disk. ``stage_delay_s`` holds that copy back instead, so that the training thread must wait for it
+    before the optimizer steps; ``wait_for_copy=False`` removes that wait (a deliberately broken callback).
 
     The log (``log_to``, one JSON file per rank) lists, per write: the checkpoint's step, when the write began and
     ended (monotonic seconds), the optimizer step training had reached at its end, and how many writer threads
     were alive when it began.
     """
 
-    def __init__(self, delay_s: float = 1.0, rank: int = -1, nth: int = 0, log_to: str | None = None, stage: bool = True) -> None:
+    def __init__(self, delay_s: float = 1.0, rank: int = -1, nth: int = 0, log_to: str | None = None, stage: bool = True,
+                 stage_delay_s: float = 0.0, wait_for_copy: bool = True) -> None:
         self.delay_s = delay_s
+        self.stage_delay_s = stage_delay_s
+        self.wait_for_copy = wait_for_copy
         self.rank = rank
         self.nth = nth
         self.log_to = log_to
@@ -35,7 +41,10 @@ class AsyncWriteFault(Callback):
         from parallelkit.distributed.async_checkpoint import AsyncCheckpointWriter
 
         callback = self
+        from parallelkit.callbacks.periodic_checkpoint import PeriodicCheckpoint
+
         real_start, real_write, real_setup = AsyncCheckpointWriter.start, AsyncCheckpointWriter._write, AsyncCheckpointWriter.setup
+        real_deferred = AsyncCheckpointWriter._stage_deferred
         real_atomic, real_item = run_dir.write_atomically, dcp_files._write_item
         kills_here = trainer.global_rank == self.rank
         started = {"saves": 0}
@@ -55,11 +64,15 @@ class AsyncWriteFault(Callback):
         def write(writer, work, record):
             began = time.monotonic()
             alive = sum(t.name.startswith("parallelkit-checkpoint") for t in threading.enumerate())
-            time.sleep(callback.delay_s)
             real_write(writer, work, record)
             callback.writes.append({"step": record.step, "began": began, "ended": time.monotonic(),
                                     "training_step_at_end": trainer.global_step, "writer_threads": alive,
                                     "error": None if record.error is None else repr(record.error)})
+
+        def stage_deferred(writer, staged, deferred, record):  # on the writer's thread, first thing: the deferred copy
+            time.sleep(callback.stage_delay_s)
+            real_deferred(writer, staged, deferred, record)
+            time.sleep(callback.delay_s)  # then a slow disk, training going on
 
         def write_atomically(path, write_file):  # a file checkpoint: half of it on disk, then the process dies
             if not armed():
@@ -96,6 +109,9 @@ class AsyncWriteFault(Callback):
 
         AsyncCheckpointWriter.start = start
         AsyncCheckpointWriter._write = write
+        AsyncCheckpointWriter._stage_deferred = stage_deferred
+        if not self.wait_for_copy:
+            PeriodicCheckpoint._staged = lambda checkpoint: None
         run_dir.write_atomically = write_atomically
         dcp_files._write_item = write_item
         if not self.stage:
@@ -105,3 +121,6 @@ class AsyncWriteFault(Callback):
         if self.log_to:
             with open(f"{self.log_to}.rank{trainer.global_rank}.json", "w") as file:
                 json.dump(self.writes, file)
+            saves = next(cb.save_records for cb in trainer.callbacks if hasattr(cb, "save_records"))
+            with open(f"{self.log_to}.saves.rank{trainer.global_rank}.json", "w") as file:
+                json.dump(saves, file)

@@ -82,6 +82,36 @@ def test_async_saves_write_what_synchronous_saves_write(name, synchronous, tmp_p
     assert checkpoint_differences(reference_dir, run_dir) == {}
 
 
+@pytest.mark.parametrize("name", ["ddp", "tp"])
+def test_the_copy_made_during_the_next_step_is_waited_for_before_the_optimizer_steps(name, synchronous, tmp_path):
+    # The parameters and moments are copied on the writer's thread while the next step's forward and backward run.
+    # Held back 0.5 s here (a step takes tens of ms): the optimizer must wait for the copy, the wait counts as the
+    # save's stall, and every checkpoint still holds what the synchronous one does.
+    reference, reference_dir = synchronous[name]
+    run_dir = tmp_path / "held"
+    summary = run_ok([*ARGS, *STRATEGIES[name], *ASYNC, *slow_writes(0.0, stage_delay_s=0.5, log_to=tmp_path / "writes")], run_dir, env=ENV)
+    assert summary["train_loss"] == reference["train_loss"]
+    assert checkpoint_differences(reference_dir, run_dir) == {}
+    for rank in (0, 1):
+        saves = json.loads((tmp_path / f"writes.saves.rank{rank}.json").read_text())
+        assert [s["step"] for s in saves] == [5, 10, 15, 20] and all(s["async"] for s in saves)
+        for save in saves[:-1]:  # the last one is waited for whole at the end of training
+            assert 0.4 < save["staged_wait_s"] <= save["stall_s"], save
+            # ddp's file is rank 0's alone; tp's ranks each copy their own shards
+            assert (save["deferred"] > 0) == (rank == 0 or name != "ddp"), save
+
+
+def test_an_optimizer_step_that_does_not_wait_for_the_copy_is_caught(synchronous, tmp_path):
+    """Negative control of the test above: without the wait in on_before_optimizer_step the held-back copy reads
+    parameters the optimizer has already changed, and the comparison with the synchronous checkpoints catches it."""
+    reference, reference_dir = synchronous["ddp"]
+    run_dir = tmp_path / "unwaited"
+    summary = run_ok([*ARGS, "strategy=ddp", *ASYNC, *slow_writes(0.0, stage_delay_s=0.5, wait_for_copy="false")], run_dir, env=ENV)
+    assert summary["train_loss"] == reference["train_loss"]
+    found = checkpoint_differences(reference_dir, run_dir)
+    assert "epoch=0-step=10.ckpt" in found and any(d.startswith(".state_dict.") for d in found["epoch=0-step=10.ckpt"]), found
+
+
 @pytest.mark.parametrize("name,rank", [("ddp", 0), ("zero3", 1)])
 def test_writer_killed_mid_save_leaves_the_previous_checkpoint_and_resume_is_exact(name, rank, synchronous, tmp_path):
     # The 3rd save (step 15) dies half-way through the write (rank 0's file, or rank 1's shard) while training

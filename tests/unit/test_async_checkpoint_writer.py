@@ -51,6 +51,50 @@ def test_the_file_holds_the_state_at_staging_time_and_the_step_file_is_a_hard_li
     writer.close()
 
 
+def test_deferred_tensors_are_copied_on_the_writers_thread_before_wait_staged_returns(tmp_path, monkeypatch):
+    """``defer``: the accepted tensors are copied after ``start`` returned (on the writer's thread) and before
+    ``wait_staged`` does; the others (a buffer a forward may change) at ``start``; the optimizer's own state dicts,
+    which the dump hands over as they are, are not touched by the split."""
+    import threading
+
+    from parallelkit.distributed.async_checkpoint import AsyncCheckpointWriter as Writer
+    from parallelkit.distributed.async_checkpoint import storage_key
+
+    weight, buffer, moment = torch.arange(4.0), torch.zeros(2), torch.ones(4)
+    optimizer_state = {"exp_avg": moment}  # the optimizer's own dict: must still hold its tensor afterwards
+
+    class Dump:
+        def dump_checkpoint(self, weights_only: bool = False) -> dict:
+            return {"state_dict": {"w": weight, "running_mean": buffer}, "optimizer_states": [{"state": {0: optimizer_state}}],
+                    "global_step": 3}
+
+    trainer = SimpleNamespace(_checkpoint_connector=Dump(), strategy=SimpleNamespace(is_global_zero=True), global_step=3)
+    release, real = threading.Event(), Writer._stage_deferred
+    monkeypatch.setattr(Writer, "_stage_deferred", lambda self, *a: (release.wait(10), real(self, *a)))
+    writer = Writer(FILE)
+    writer.setup(trainer.strategy)
+    record = writer.start(trainer, [tmp_path / "last.ckpt"], defer=lambda t: storage_key(t) != storage_key(buffer))
+    assert not record.staged.is_set() and optimizer_state["exp_avg"] is moment
+    buffer.add_(7)  # the next forward: after start, so it must not reach the file
+    weight.add_(1)  # before the optimizer step: the deferred copy sees it (as training would not change it)
+    release.set()
+    assert writer.wait_staged() >= 0 and record.staged.is_set() and record.deferred == 2
+    weight.add_(100)  # the optimizer step, after wait_staged: must not reach the file
+    moment.mul_(5)
+    assert writer.wait().error is None
+    saved = torch.load(tmp_path / "last.ckpt", weights_only=False)
+    assert torch.equal(saved["state_dict"]["running_mean"], torch.zeros(2))
+    assert torch.equal(saved["state_dict"]["w"], torch.arange(4.0) + 1)
+    assert torch.equal(saved["optimizer_states"][0]["state"][0]["exp_avg"], torch.ones(4))
+    # Negative control: nothing deferred, the weight is copied at start (the +1 above would not be there).
+    weight.copy_(torch.arange(4.0))
+    writer.start(trainer, [tmp_path / "last.ckpt"])
+    weight.add_(1)
+    writer.wait()
+    assert torch.equal(torch.load(tmp_path / "last.ckpt", weights_only=False)["state_dict"]["w"], torch.arange(4.0))
+    writer.close()
+
+
 def test_a_second_save_while_one_is_in_flight_is_refused(tmp_path, monkeypatch):
     import threading
 

@@ -19,7 +19,9 @@ a step checkpoint too if one is due), so that a finished run taken further resum
 
 With ``async_save=True`` a save stages the state between two steps and a background thread writes it while
 training goes on (:mod:`parallelkit.distributed.async_checkpoint`); the step checkpoint is then a hard link of
-``last.ckpt``. One save is in flight at most: a save that falls due before the previous one is on disk waits
+``last.ckpt``. The parameters and optimizer moments are copied on that thread during the next step's forward and
+backward: ``on_before_optimizer_step`` waits for the copy (and counts the wait in the save's stall) before the
+optimizer changes them. One save is in flight at most: a save that falls due before the previous one is on disk waits
 for it, and so do the end of training, a stop on a signal and a failure (before the process exits). A failed
 background write stops the job at the next of these points with the same :class:`~parallelkit.errors.WriteFailed`,
 on every rank.
@@ -176,6 +178,14 @@ class PeriodicCheckpoint(Checkpoint, ParallelKitCallback):
         self._save_then_stop(trainer, signum, step_file=due)
 
     @override
+    def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+        self._staged()  # the optimizer is about to change the parameters and moments a save in flight is copying
+
+    @override
+    def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
+        self._staged()  # not reached with a copy pending (a save a validation follows waits for it); no harm if so
+
+    @override
     def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
         if self._pending is None or trainer.sanity_checking:
             return
@@ -257,11 +267,14 @@ class PeriodicCheckpoint(Checkpoint, ParallelKitCallback):
         if step_file and self.save_top_k != 0:
             paths.append(self.dirpath / f"epoch={trainer.current_epoch}-step={step}.ckpt")
         if self._writer is not None:
-            record = self._writer.start(trainer, paths)  # returns once staged; written in the background
+            # Returns once staged, but for the parameters and moments: those are copied while the next step's forward
+            # and backward run (until on_before_optimizer_step); written in the background.
+            record = self._writer.start(trainer, paths, defer=_unchanged_until_the_optimizer_steps(trainer))
             self._saved_step, self._saved_at = step, time.monotonic()
             # stall: the wait for the previous save, the loggers and the staging; write: on disk after staging began
             self.save_records.append({"step": step, "began": began, "stall_s": time.perf_counter() - began, "dump_s": record.dump_s,
-                                      "stage_s": record.stall_s - record.dump_s, "write_s": None, "async": True})
+                                      "stage_s": record.stall_s - record.dump_s, "staged_wait_s": 0.0, "deferred": None,
+                                      "write_s": None, "async": True})
             return
         for path in paths:
             try:
@@ -279,20 +292,24 @@ class PeriodicCheckpoint(Checkpoint, ParallelKitCallback):
         self.save_records.append({"step": step, "began": began, "stall_s": elapsed, "write_s": elapsed, "async": False})
         self._prune(trainer)
 
+    def _staged(self) -> None:
+        """Wait until the save in flight holds its own copy of the deferred tensors (counted in its stall)."""
+        if self._writer is None or not self._writer.in_flight:
+            return
+        waited = self._writer.wait_staged()
+        entry = self.save_records[-1]
+        entry["stall_s"] += waited
+        entry["staged_wait_s"] += waited
+        entry["deferred"] = self._writer.records[-1].deferred
+
     def _finish_async(self, trainer: Any) -> None:
-        """Wait for the background save in flight, if any; every rank learns whether some rank's write failed (one
-        tiny all-reduce: the ranks call this at the same step) and raises :class:`WriteFailed` if one did."""
+        """Wait for the background save in flight, if any; every rank learns whether some rank's write failed (the
+        writers agree on it when their writes end) and raises :class:`WriteFailed` if one did."""
         if self._writer is None or not self._writer.in_flight:
             return
         record = self._writer.wait()
         failed = record.error is not None
-        if trainer.world_size > 1:
-            from parallelkit.callbacks.run_summary import _global_max
-
-            mine = torch.tensor([float(failed)], dtype=torch.float64, device=trainer.strategy.root_device)
-            failed_somewhere = bool(_global_max(trainer.strategy, mine).item())
-        else:
-            failed_somewhere = failed
+        failed_somewhere = failed if record.failed_anywhere is None else record.failed_anywhere
         if not failed_somewhere:
             self._completed(trainer, record, prune=True)
             return
@@ -386,6 +403,20 @@ def _validation_follows(trainer: Any) -> bool:
     if not (sum(batches) if isinstance(batches, list) else batches):
         return False  # no validation batches: Lightning skips the loop, and on_validation_end with it
     return bool(trainer.fit_loop.epoch_loop._should_check_val_fx(trainer.fit_loop._data_fetcher))
+
+
+def _unchanged_until_the_optimizer_steps(trainer: Any) -> Any:
+    """Which tensors of the model's and optimizers' state dicts nothing changes between a save at a step boundary
+    and the next ``on_before_optimizer_step``: all but the module's buffers (a forward may update them, e.g. batch
+    norm's running statistics). ``None`` (nothing deferred) under manual optimization, where the module's own code
+    may change anything anywhere in its training step."""
+    from parallelkit.distributed.async_checkpoint import storage_key
+
+    module = trainer.lightning_module
+    if not getattr(module, "automatic_optimization", False):
+        return None
+    buffers = {storage_key(b) for b in module.buffers()}
+    return lambda tensor: storage_key(tensor) not in buffers
 
 
 def _last_step(trainer: Any) -> bool:

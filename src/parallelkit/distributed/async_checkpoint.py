@@ -12,15 +12,23 @@ has two halves:
   DTensor dispatch, per tensor, which made the tensor-parallel stall 3x the copy of its bytes;
 - **writing**, on a background thread, while training goes on.
 
+A save can also defer part of its staging (``start(..., defer=...)``): the tensors that nothing changes before the
+next optimizer step (parameters and optimizer moments, under Lightning's automatic optimization) are copied on the
+background thread while the next step's forward and backward run, and the training thread waits for that copy
+(:meth:`AsyncCheckpointWriter.wait_staged`) before the optimizer changes them. Training then stands still for
+Lightning's dump and the copy of what does change earlier (module buffers, callbacks' and loops' state), plus
+whatever of the deferred copy is not done by the time the optimizer steps; that wait is counted in the stall.
+
 Two layouts, as the strategy writes them synchronously:
 
 - ``file`` (``strategy=single``, ``ddp``; any strategy whose checkpoint is Lightning's one file): rank 0 stages
   and writes ``torch.save`` through :func:`parallelkit.run_dir.write_atomically`; other ranks hold nothing to write.
 - ``sharded`` (the mesh strategies: ``zero``, ``tp``, ``pp``, ``moe``, ``hybrid4d``): every rank stages only its
-  own shards and writes them with ``torch.distributed.checkpoint.async_save`` into ``NAME.tmp`` over a gloo
-  group of its own (a background collective on the training group would interleave with the step's); when
-  torch's save returns on rank 0 every rank's shards and the ``.metadata`` are on disk, and rank 0 writes
-  ``meta.pt`` (the completion marker) and swaps ``NAME.tmp`` in, as
+  own shards and writes them with ``torch.distributed.checkpoint.save`` on the background thread (as torch's
+  ``async_save`` does from its own) into ``NAME.tmp``, over a gloo group of its own (a background collective on
+  the training group would interleave with the step's); when torch's save returns on rank 0 every rank's shards
+  and the ``.metadata`` are on disk, and rank 0 writes ``meta.pt`` (the completion marker) and swaps ``NAME.tmp``
+  in, as
   :meth:`~parallelkit.strategies.base.ParallelKitStrategyMixin.save_directory_atomically` does. No rank gathers
   anything.
 
@@ -91,8 +99,13 @@ class SaveRecord:
     began: float
     stall_s: float = 0.0
     dump_s: float = 0.0  # of stall_s: Lightning's checkpoint dump (the rest: staging, and starting the write)
+    staged_wait_s: float = 0.0  # of stall_s: the wait for the deferred staging, before the next optimizer step
+    deferred: int = 0  # tensors whose copy was deferred to the background thread
     write_s: float | None = None
     error: BaseException | None = None
+    #: whether some rank's write of this save failed (every rank's writer thread agrees on it when its write ended)
+    failed_anywhere: bool | None = None
+    staged: threading.Event = field(default_factory=threading.Event)  # every tensor copied: the live state may change
     done: threading.Event = field(default_factory=threading.Event)
 
 
@@ -120,6 +133,7 @@ class AsyncCheckpointWriter:
         self.records: list[SaveRecord] = []
         self._thread: threading.Thread | None = None
         self._stager: Any = None
+        self._swept: set[Path] = set()  # the temporary directories of sharded saves checked for a dead writer's
         self._group: Any = None
 
     # ---------------------------------------------------------------------------------------- set-up
@@ -132,7 +146,7 @@ class AsyncCheckpointWriter:
         # No pinned or shared memory (host tensors already), staging on the calling thread: its buffers are cached
         # per source storage and reused by the next save, which overwrites them only once this one is written.
         self._stager = local_shard_stager(StagingOptions(False, False, False, False))
-        if self.layout == SHARDED and dist.is_available() and dist.is_initialized() and self._group is None:
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 and self._group is None:
             self._group = dist.new_group(backend="gloo", timeout=timedelta(seconds=self.timeout_s))
 
     def close(self) -> None:
@@ -146,9 +160,15 @@ class AsyncCheckpointWriter:
     def in_flight(self) -> bool:
         return self._thread is not None
 
-    def start(self, trainer: Any, paths: list[Path]) -> SaveRecord:
+    def start(self, trainer: Any, paths: list[Path], defer: Callable[[torch.Tensor], bool] | None = None) -> SaveRecord:
         """Stage the trainer's checkpoint (every rank, in step: Lightning's dump may run collectives) and start
-        writing it to ``paths`` (the first written, the others linked to it). Call :meth:`wait` first."""
+        writing it to ``paths`` (the first written, the others linked to it). Call :meth:`wait` first: it returns
+        once every rank's writer has finished (they agree on failures at the end), so a sharded save's rank 0 has
+        renamed the temporary directory the next save's shards go to.
+
+        ``defer``: which tensors of the model's and the optimizers' state dicts may be copied on the background
+        thread, after this returns; the caller must call :meth:`wait_staged` before anything changes them (the
+        next optimizer step). ``None``: everything is staged before this returns."""
         if self._thread is not None:
             raise RuntimeError("AsyncCheckpointWriter.start: a save is still in flight; wait() for it first (one save at a time).")
         if self._stager is None:
@@ -159,14 +179,26 @@ class AsyncCheckpointWriter:
         checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)  # what trainer.save_checkpoint writes
         record.dump_s = time.perf_counter() - began
         if self.layout == FILE:
-            work = self._stage_file(strategy, checkpoint, record)
+            work = self._stage_file(strategy, checkpoint, record, defer)
         else:
-            work = self._stage_sharded(strategy, checkpoint, record)
+            work = self._stage_sharded(strategy, checkpoint, record, defer)
         record.stall_s = time.perf_counter() - began
         self.records.append(record)
         self._thread = threading.Thread(target=self._write, args=(work, record), name=f"parallelkit-checkpoint-{record.step}")
         self._thread.start()
         return record
+
+    def wait_staged(self) -> float:
+        """Block until the save in flight (if any) holds its own copy of every tensor; the seconds waited (added to
+        the record's ``stall_s``). Call it before the state a deferred tensor belongs to changes."""
+        if self._thread is None or self.records[-1].staged.is_set():
+            return 0.0
+        record, began = self.records[-1], time.perf_counter()
+        record.staged.wait()
+        waited = time.perf_counter() - began
+        record.staged_wait_s += waited
+        record.stall_s += waited
+        return waited
 
     def wait(self) -> SaveRecord | None:
         """Block until the save in flight (if any) is on disk or failed; return its record (``record.error``)."""
@@ -177,15 +209,18 @@ class AsyncCheckpointWriter:
         return self.records[-1]
 
     # ---------------------------------------------------------------------------------------- the two layouts
-    def _stage_file(self, strategy: Any, checkpoint: dict[str, Any], record: SaveRecord) -> Callable[[], None]:
-        if not strategy.is_global_zero:
-            return lambda: None  # Lightning's one file is rank 0's
+    def _stage_file(self, strategy: Any, checkpoint: dict[str, Any], record: SaveRecord,
+                    defer: Callable[[torch.Tensor], bool] | None) -> Callable[[], None]:
+        if not strategy.is_global_zero:  # Lightning's one file is rank 0's
+            return lambda: self._stage_deferred(None, [], record)
+        checkpoint, deferred = _split(checkpoint, defer, under=("state_dict", "optimizer_states"))
         staged = self._stager.stage(checkpoint)
         first, others = record.paths[0], record.paths[1:]
 
         def write() -> None:
             from parallelkit import run_dir  # through the module: fault injection replaces write_atomically there
 
+            self._stage_deferred(staged, deferred, record)
             first.parent.mkdir(parents=True, exist_ok=True)
             run_dir.write_atomically(first, lambda file: torch.save(staged, file))
             for other in others:
@@ -193,24 +228,34 @@ class AsyncCheckpointWriter:
 
         return write
 
-    def _stage_sharded(self, strategy: Any, checkpoint: dict[str, Any], record: SaveRecord) -> Callable[[], None]:
+    def _stage_sharded(self, strategy: Any, checkpoint: dict[str, Any], record: SaveRecord,
+                       defer: Callable[[torch.Tensor], bool] | None) -> Callable[[], None]:
         import torch.distributed.checkpoint as dcp
 
         first, others = record.paths[0], record.paths[1:]
         tmp = first.with_name(first.name + ".tmp")
-        if strategy.is_global_zero and tmp.exists():
-            shutil.rmtree(tmp) if tmp.is_dir() else tmp.unlink()  # a previous writer died here
-        strategy.barrier("async_checkpoint.stage")
+        if tmp not in self._swept:
+            # A writer that died in an earlier process left it: gone before any rank writes a shard there. Only the
+            # first save to a name can find one (this process's own writes rename theirs away, and a failed write
+            # stops the job), so later saves skip this synchronisation of every rank.
+            if strategy.is_global_zero and tmp.exists():
+                shutil.rmtree(tmp) if tmp.is_dir() else tmp.unlink()
+            strategy.barrier("async_checkpoint.stage")
+            self._swept.add(tmp)
         tmp.mkdir(parents=True, exist_ok=True)
         # Lightning's ModelParallelStrategy.save_checkpoint layout: tensors through DCP, the rest in meta.pt (rank 0).
         tensors = {"state_dict": checkpoint.pop("state_dict")}
         tensors.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
         meta = self._stager.stage(checkpoint) if strategy.is_global_zero else None
-        future = dcp.async_save(tensors, checkpoint_id=str(tmp), process_group=self._group, async_stager=self._stager)
+        tensors, deferred = _split(tensors, defer)
+        staged = self._stager.stage(tensors)
         is_zero = strategy.is_global_zero
 
         def write() -> None:
-            future.result()  # every rank's shards and the .metadata are on disk once rank 0's returns
+            self._stage_deferred(staged, deferred, record)
+            # Over the writer's own gloo group, as torch's dcp.async_save writes from its thread: every rank's shards
+            # and the .metadata are on disk once rank 0's save returns.
+            dcp.save(staged, checkpoint_id=str(tmp), process_group=self._group)
             if not is_zero:
                 return
             torch.save(meta, tmp / META_FILE)
@@ -220,14 +265,74 @@ class AsyncCheckpointWriter:
 
         return write
 
+    def _stage_deferred(self, staged: Any, deferred: list[tuple[tuple, torch.Tensor]], record: SaveRecord) -> None:
+        """On the background thread: copy the deferred tensors into ``staged`` (at their paths), then say so."""
+        record.deferred = len(deferred)
+        if deferred:
+            copies = self._stager.stage([tensor for _, tensor in deferred])
+            for (path, _), copy in zip(deferred, copies):
+                parent = staged
+                for key in path[:-1]:
+                    parent = parent[key]
+                parent[path[-1]] = copy
+        record.staged.set()
+
     def _write(self, work: Callable[[], None], record: SaveRecord) -> None:
         try:
             work()
         except BaseException as err:  # noqa: BLE001 - handed to the training thread at wait()
             record.error = err
         finally:
+            record.staged.set()  # also when staging failed: the training thread must not wait forever
             record.write_s = time.perf_counter() - record.began
+            try:
+                record.failed_anywhere = self._agree_on_failure(record.error is not None)
+            except BaseException as err:  # noqa: BLE001 - e.g. a rank died: this save counts as failed here
+                record.error = record.error or err
+                record.failed_anywhere = True
             record.done.set()
+
+    def _agree_on_failure(self, failed: bool) -> bool:
+        """On the writer's thread, once this rank's write ended: whether any rank's failed. Every rank's writer does
+        this for every save, over the writer's own group, so the training thread learns it at :meth:`wait` without a
+        collective of its own (which would wait for the slowest rank to reach the next save)."""
+        if self._group is None:
+            return failed
+        import torch.distributed as dist
+
+        flag = torch.tensor([float(failed)])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
+        return bool(flag.item())
+
+
+def _split(tree: Any, defer: Callable[[torch.Tensor], bool] | None,
+           under: tuple[str, ...] | None = None) -> tuple[Any, list[tuple[tuple, torch.Tensor]]]:
+    """``tree`` with each tensor that ``defer`` accepts replaced by ``None`` (in new containers: the state dicts'
+    inner dicts can be the optimizer's own), and those tensors with their paths. Only dicts and lists are walked,
+    and at the top level only the keys in ``under`` (when given)."""
+    deferred: list[tuple[tuple, torch.Tensor]] = []
+    if defer is None:
+        return tree, deferred
+
+    def walk(obj: Any, path: tuple) -> Any:
+        if isinstance(obj, torch.Tensor) and defer(obj):
+            deferred.append((path, obj))
+            return None
+        if type(obj) in (dict, OrderedDict):
+            return type(obj)((key, walk(value, (*path, key))) for key, value in obj.items())
+        if type(obj) is list:
+            return [walk(value, (*path, i)) for i, value in enumerate(obj)]
+        return obj
+
+    if under is None:
+        return walk(tree, ()), deferred
+    return {key: (walk(value, (key,)) if key in under else value) for key, value in tree.items()}, deferred
+
+
+def storage_key(tensor: torch.Tensor) -> int:
+    """The address of the memory a tensor (a DTensor: its local shard) lives in: views and aliases share it."""
+    local = getattr(tensor, "_local_tensor", tensor)
+    return local.untyped_storage().data_ptr()
 
 
 @functools.cache
