@@ -117,6 +117,10 @@ def main(argv: list[str] | None = None) -> None:
     from parallelkit.planner.inputs import compose_config
     from parallelkit.planner.report import best_per_layout
 
+    import os
+    from datetime import datetime, timezone
+
+    started, load_before = datetime.now(timezone.utc).isoformat(timespec="seconds"), os.getloadavg()
     profile = args.hardware
     if profile is None:
         profile = PROFILE
@@ -149,6 +153,8 @@ def main(argv: list[str] | None = None) -> None:
                 "measured_step_time_s": summary["step_time_s_median"], "measured_dims": summary["dims"], "train_loss": summary["train_loss"],
             })
     rows = results["layouts"]
+    results["machine"] = {"started": started, "finished": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                          "loadavg_before": list(load_before), "cpus": os.cpu_count(), "calibrated_now": args.hardware is None}
     results["spearman"] = spearman([r["estimated_step_time_s"] for r in rows], [r["measured_step_time_s"] for r in rows])
     out = ROOT / "bench" / "results" / "hybrid.json"
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -175,7 +181,7 @@ def markdown(results: dict) -> str:
     measured_rank = {id(r): i for i, r in enumerate(sorted(rows, key=lambda r: r["measured_step_time_s"]), 1)}
     estimated_rank = {id(r): i for i, r in enumerate(sorted(rows, key=lambda r: r["estimated_step_time_s"]), 1)}
     lines = [
-        "| layout (dp×sh×tp×pp) | cut | step ms measured (rank) | planner estimate ms (rank) | state KiB, max rank: est. / meas. (ratio) "
+        "| layout (dp×sh×tp×pp) | cut | step ms measured (rank) | planner estimate ms (rank), est./meas. | state KiB, max rank: est. / meas. (ratio) "
         "| comm KiB/step of rank 0: est. / meas. (ratio) per axis |",
         "|---|---|---:|---:|---|---|",
     ]
@@ -189,12 +195,18 @@ def markdown(results: dict) -> str:
             for a in AXES if a in r["comm_ratio"]) or "none"
         lines.append(
             f"| {layout} | {cut} | {r['measured_step_time_s'] * 1e3:.0f} ({measured_rank[id(r)]}) | "
-            f"{r['estimated_step_time_s'] * 1e3:.1f} ({estimated_rank[id(r)]}) | {_kib(r['estimated_state_bytes'])} / "
+            f"{r['estimated_step_time_s'] * 1e3:.1f} ({estimated_rank[id(r)]}), {r['estimated_step_time_s'] / r['measured_step_time_s']:.2f} | "
+            f"{_kib(r['estimated_state_bytes'])} / "
             f"{_kib(r['measured_state_bytes'])} ({r['state_ratio']:.2f}) | {comm} |"
         )
     ratios = [r["state_ratio"] for r in rows] + [v for r in rows for v in r["comm_ratio"].values() if v]
+    times = [r["estimated_step_time_s"] / r["measured_step_time_s"] for r in rows]
+    fastest = min(r["measured_step_time_s"] for r in rows)
+    chosen = [r["measured_step_time_s"] / fastest for r in rows if r["chosen"]]
     lines.append("")
-    lines.append(f"Spearman rank correlation of estimated and measured step times over the {len(rows)} layouts: "
+    lines.append(f"Step time estimate / measured: {min(times):.2f} – {max(times):.2f}"
+                 + (f"; auto's pick measured {chosen[0]:.2f}× the fastest layout. " if chosen else ". "))
+    lines[-1] += (f"Spearman rank correlation of estimated and measured step times over the {len(rows)} layouts: "
                  f"**{results['spearman']:.2f}**. Byte estimate / measured over all layouts and axes: {min(ratios):.2f} – "
                  f"{max(ratios):.2f}. {len(results['not_runnable'])} layouts hybrid4d cannot run were skipped.")
     return "\n".join(lines)

@@ -7,6 +7,7 @@ import pytest
 
 from parallelkit.distributed.parallel_dims import DP, SHARDING, ParallelDims
 from parallelkit.planner.calibrate import HOST_POINTS, host_time_terms
+from parallelkit.planner.calibrate_host import PARALLEL_POINTS, extra_terms
 from parallelkit.planner.hardware import Hardware, load_profile
 from parallelkit.planner.layout import Layout, members_per_node
 from parallelkit.planner.memory import layer_activation_bytes
@@ -98,3 +99,67 @@ def test_the_estimate_includes_the_host_time_on_the_critical_path_and_in_the_sha
     assert with_host.host == pytest.approx(0.01 + 2 * 2 * 0.005)  # 2 blocks per stage, 2 micro-batches
     # 8 ranks' host time shared by 2 cores: the step grows by at least the node's host work over its units
     assert with_host.total - without.total >= 8 * with_host.host / 2 * 0.99
+
+
+# ---- issue 35 item 2: the CPU a rank's tensor parallelism and FSDP2 cost on the host, and kernels inside a step
+def _small_gpt() -> Workload:
+    return Workload(shape=gpt_shape({"n_layer": 4, "n_embd": 128, "n_head": 4}, 128, 64), seq_len=64, global_batch=32,
+                    precision=PRECISIONS["fp32"])
+
+
+def _cpu8(**fields) -> Hardware:
+    return Hardware(**{**load_profile("cpu_default").__dict__, "devices_per_node": 8, "compute_units_per_node": 2.0,
+                       "dtensor_op_overhead": 1e-5, **fields})
+
+
+def test_measured_tensor_parallel_and_fsdp_host_time_is_charged_on_every_rank():
+    """A tp rank's measured CPU per micro-batch and per block replaces the DTensor op count; in the shared-cores bound
+    8 ranks' worth of it is spread over the node's 2 cores."""
+    w, tp_terms, sh_terms = _small_gpt(), (0.001, 0.004, 0.01), (0.0005, 0.002, 0.003)
+    measured = _cpu8(tp_host_overhead={2: tp_terms}, sharding_host_overhead={2: sh_terms})
+    tp = Layout(ParallelDims(8, dp=4, tp=2), micro_batch=8)
+    both = Layout(ParallelDims(8, dp=2, sharding=2, tp=2), zero_stage=3, micro_batch=8)
+    before, after = evaluate(w, _cpu8(), tp).time, evaluate(w, measured, tp).time
+    assert after.dispatch == pytest.approx(tp_terms[0] + tp_terms[1] + 4 * tp_terms[2])  # 1 micro-batch, 4 blocks
+    assert after.total - before.total >= 8 * (after.dispatch - before.dispatch) / 2 * 0.99
+    fsdp = evaluate(w, measured, both).time
+    assert fsdp.dispatch == pytest.approx(sum(tp_terms[:2]) + 4 * tp_terms[2] + sum(sh_terms[:2]) + 4 * sh_terms[2])
+    accumulated = evaluate(w, measured, Layout(ParallelDims(8, dp=4, tp=2), micro_batch=4, accumulate=2)).time
+    assert accumulated.dispatch == pytest.approx(tp_terms[0] + 2 * (tp_terms[1] + 4 * tp_terms[2]))  # per micro-batch
+    # a group size not measured takes the nearest measured one's figures
+    assert evaluate(w, measured, Layout(ParallelDims(8, dp=2, tp=4), micro_batch=16)).time.dispatch == pytest.approx(after.dispatch)
+
+
+def test_compute_scale_multiplies_the_compute():
+    w, layout = _small_gpt(), Layout(ParallelDims(8, dp=4, pp=2), micro_batch=4, microbatches=2)
+    one, scaled = evaluate(w, _cpu8(), layout).time, evaluate(w, _cpu8(compute_scale=1.7), layout).time
+    assert scaled.compute == pytest.approx(1.7 * one.compute)
+    assert scaled.total > one.total
+
+
+def test_gpu_profiles_measure_no_host_terms_and_keep_their_estimates():
+    """Negative control: the published GPU profiles carry none of the CPU terms, so their estimates are what the
+    profile's own figures give (dispatch 0, compute unscaled)."""
+    w = workload_of_run(RUNS["torchtitan_llama3_8b"])
+    layout = Layout(ParallelDims(64, sharding=32, tp=2), zero_stage=3, micro_batch=1)
+    for name in ("a100_80gb_8x", "h100_80gb_8x", "gpu_default"):
+        hw = load_profile(name)
+        assert hw.tp_host_overhead == {} and hw.sharding_host_overhead == {} and hw.compute_scale == 1.0, name
+        assert hw.parallel_host_time("tp", 2, 4, 1) is None
+        t = evaluate(w, hw, layout).time
+        assert t.dispatch == pytest.approx(0.0) if hw.dtensor_op_overhead == 0 else t.dispatch > 0
+
+
+def test_parallel_host_terms_are_solved_from_one_and_four_block_runs():
+    single = {(1, 1): 0.005, (4, 1): 0.011, (1, 2): 0.008}  # CPU per step, one process
+    truth = (0.002, 0.004, 0.013)  # per step, per micro-batch, per block and micro-batch
+    parallel = {(layers, a): single[layers, a] + truth[0] + a * (truth[1] + layers * truth[2]) for layers, a in PARALLEL_POINTS}
+    assert extra_terms(single, parallel) == pytest.approx(truth)
+
+
+def test_parallel_host_terms_and_compute_scale_round_trip_through_a_profile(tmp_path):
+    from parallelkit.planner.hardware import save_profile
+
+    hw = _cpu8(tp_host_overhead={2: (0.001, 0.004, 0.01), 4: (0.002, 0.006, 0.02)}, sharding_host_overhead={2: (0.0, 0.001, 0.002)},
+               compute_scale=1.6)
+    assert load_profile(str(save_profile(hw, tmp_path / "hw.yaml"))) == hw

@@ -12,11 +12,11 @@ and measures, writing every number into the profile:
   tensors (rank 0 alone): what each operation of tensor parallelism and of FSDP2's sharded parameters costs extra.
 - **compute units**: the same GEMM timed by one process alone and by all at once: the ratio of the summed rates is
   how many ranks' worth of compute the node really has (ranks that share cores share it).
-- **host time per step**: ``train.py`` with ``strategy=single`` on 16-wide GPTs of 8-token sequences (kernels of
-  negligible work) for 30 steps, with 1 and 4 blocks and 1 and 2 micro-batches per step: their median step times
-  solve ``T = step + a·microbatch + L·layer_step + L·a·layer`` — what the training loop, the module calls, autograd
-  and the per-parameter work cost a rank on the host, per step, per micro-batch, per block and step, per block and
-  micro-batch (:func:`host_time_terms`).
+- **host time** (:mod:`~parallelkit.planner.calibrate_host`): ``train.py`` on tiny GPTs (kernels of negligible
+  work), one process: the host seconds per step, micro-batch, block and step, block and micro-batch; under
+  ``strategy=hybrid4d`` with ``tp = g`` or ``sharding = g`` on ``g`` processes: the CPU seconds per step, micro-batch and
+  block tensor parallelism and FSDP2 add to a rank; and ``compute_scale``, the workload's own GPT blocks in a
+  one-process training step against the cost model's compute of them.
 - **collectives per group size**: for every group size g dividing the world, all groups at once (as in training),
   all-reduce, all-gather, reduce-scatter, all-to-all and point-to-point send/recv at several sizes; a least-squares
   fit of ``time = latency + bytes sent / bandwidth`` per operation and g.
@@ -33,12 +33,14 @@ import socket
 import statistics
 import tempfile
 import time
+from dataclasses import replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 from parallelkit.errors import ConfigError
-from parallelkit.planner.hardware import Hardware, Link, host_memory_per_rank
+from parallelkit.planner.calibrate_host import HOST_POINTS, compute_scale, host_overheads, host_time_terms  # noqa: F401
+from parallelkit.planner.hardware import HOST_TERMS, PARALLEL_HOST_TERMS, Hardware, Link, host_memory_per_rank
 from parallelkit.planner.search import divisors
 from parallelkit.planner.workload import Workload
 
@@ -205,48 +207,6 @@ def _sent(op: str, nbytes: float, g: int) -> float:
     return {"all_reduce": 2 * (g - 1) / g, "p2p": 1.0}.get(op, (g - 1) / g) * nbytes
 
 
-#: The tiny GPTs ``--calibrate`` trains to measure host time: (blocks, micro-batches per step).
-HOST_POINTS = ((1, 1), (4, 1), (1, 2), (4, 2))
-
-
-def _train_step_median(layers: int, accumulate: int) -> float:
-    """Median step time of ``train.py strategy=single`` on a ``layers``-block, 16-wide GPT of 8-token sequences whose
-    kernels do next to nothing, ``accumulate`` micro-batches of 8 sequences per step, 30 steps."""
-    import subprocess
-    import sys
-
-    root = Path(__file__).resolve().parents[3]
-    with tempfile.TemporaryDirectory(prefix="pk_calibrate_step_") as run_dir:
-        command = [sys.executable, str(root / "train.py"), "strategy=single", "model=gpt", f"model.n_layer={layers}", "model.n_embd=16",
-                   "model.n_head=1", "data=chars", "data.seq_len=8", f"data.global_batch_size={8 * accumulate}",
-                   f"trainer.accumulate_grad_batches={accumulate}", "trainer.max_steps=30",
-                   "trainer.limit_val_batches=0", "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false",
-                   "checkpoint.every_n_steps=0", "checkpoint.every_n_minutes=0", f"hydra.run.dir={run_dir}"]
-        proc = subprocess.run(command, cwd=root, capture_output=True, text=True, timeout=600)
-        if proc.returncode != 0:
-            raise ConfigError(f"--calibrate could not run train.py to measure the host time per step:\n{proc.stderr[-1500:]}")
-        return float(json.loads((Path(run_dir) / "summary.json").read_text())["step_time_s_median"])
-
-
-def host_time_terms(times: dict[tuple[int, int], float]) -> dict[str, float]:
-    """The host time per step ``T(L, a) = step + a·microbatch + L·layer_step + L·a·layer`` solved from the four
-    measured points :data:`HOST_POINTS` (``L`` blocks, ``a`` micro-batches), each term at least 0."""
-    d1 = times[4, 1] - times[1, 1]  # 3·(layer_step + layer)
-    d2 = times[4, 2] - times[1, 2]  # 3·(layer_step + 2·layer)
-    layer = max(0.0, (d2 - d1) / 3)
-    layer_step = max(0.0, d1 / 3 - layer)
-    microbatch = max(0.0, times[1, 2] - times[1, 1] - layer)
-    step = max(0.0, times[1, 1] - microbatch - layer_step - layer)
-    return {"step_overhead": step, "microbatch_overhead": microbatch, "layer_step_overhead": layer_step, "layer_overhead": layer}
-
-
-def host_overheads() -> dict[str, float]:
-    """This machine's host time per step, per micro-batch, per block and step, per block and micro-batch: train.py on
-    tiny GPTs (:data:`HOST_POINTS`), whose step time is all host work (the training loop, module calls, autograd,
-    per-parameter work of the optimizer and of parallelkit's callbacks)."""
-    return host_time_terms({point: _train_step_median(*point) for point in HOST_POINTS})
-
-
 def calibrate(w: Workload, world: int, *, dtypes: list[str] | None = None) -> Hardware:
     """Measure this machine with ``world`` processes (see the module docstring) and return its profile."""
     import torch.multiprocessing as mp
@@ -259,8 +219,9 @@ def calibrate(w: Workload, world: int, *, dtypes: list[str] | None = None) -> Ha
         out = Path(tmp) / "result.json"
         mp.start_processes(_worker, args=(world, tmp, shapes, dtypes, str(out)), nprocs=world, start_method="fork", join=True)
         result = json.loads(out.read_text())
-    result["host_overheads_s"] = host_overheads()
-    return profile_from_measurements(result, world, dtypes)
+    result["host_overheads_s"] = host_overheads(world)
+    hardware = profile_from_measurements(result, world, dtypes)
+    return replace(hardware, compute_scale=compute_scale(w, hardware, world))
 
 
 def profile_from_measurements(result: dict[str, Any], world: int, dtypes: list[str]) -> Hardware:
@@ -277,6 +238,7 @@ def profile_from_measurements(result: dict[str, Any], world: int, dtypes: list[s
             rows = [r[op][str(g)] if str(g) in r[op] else r[op][g] for r in per_rank]
             points = [(_sent(op, rows[0][i][0], g), max(row[i][1] for row in rows)) for i in range(len(rows[0]))]
             collectives.setdefault(op, {})[g] = fit_latency_bandwidth(points)
+    host_terms = result.get("host_overheads_s") or {}
     ar = collectives["all_reduce"][max(collectives["all_reduce"])]
     link = Link(bandwidth=ar[1], latency=ar[0] / 2)
     host = socket.gethostname()
@@ -288,7 +250,8 @@ def profile_from_measurements(result: dict[str, Any], world: int, dtypes: list[s
     return Hardware(
         name=f"calibrated_{host}_{world}x_gloo", devices_per_node=world, memory_per_device=host_memory_per_rank(world),
         matmul_flops=flops, memory_bandwidth=3 * 4 * 2**22 / result["add_s"], kernel_overhead=result["tiny_op_s"],
-        **{name: value for name, value in (result.get("host_overheads_s") or {}).items()},
+        **{name: value for name, value in host_terms.items() if name in HOST_TERMS},
+        **{name: {int(g): tuple(float(x) for x in v) for g, v in dict(host_terms.get(name) or {}).items()} for name in PARALLEL_HOST_TERMS},
         dtensor_op_overhead=result.get("dtensor_op_s", 0.0),
         intra_node=link, inter_node=link, compute_units_per_node=round(units, 3), collectives=collectives,
         matmul_measured=result["matmul_measured"], backend="gloo", sources=(source,),

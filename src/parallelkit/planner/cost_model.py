@@ -42,6 +42,11 @@
   × 2 (the matmul and its redistribution) = 36 (+12 under full recompute); per FSDP2 unit and micro-step 8 (the
   unshard/reshard and reduce-scatter hooks); an optimizer step of ~10 elementwise ops per parameter tensor, or
   ~10 in all where the step runs multi-tensor over one mesh's DTensors (FSDP2 without tensor parallelism or experts).
+  Where the profile measured the CPU seconds tensor parallelism / FSDP2 over ``g`` ranks add per step, micro-batch and
+  block and micro-batch (``Hardware.parallel_host_time``, ``--calibrate`` on CPU: tiny GPTs under hybrid4d), that figure replaces
+  the op count (× micro-batches for tp; × micro-steps for FSDP2 without a pipeline, once per step with one).
+- **compute scale**: every compute term × the profile's ``compute_scale`` (a block's kernels measured in a training
+  step over the roofline above; 1 in the GPU profiles).
 - **shared compute units**: when a node has fewer compute units than ranks (CPU processes on fewer cores) the step
   takes at least the node's total compute divided by its units (idle pipeline ranks leave theirs to the others).
 """
@@ -257,13 +262,14 @@ class CostModel:
                     sent[TP] += count * lt.tp_bytes
                     sent[EP] += count * lt.ep_bytes
                     sent[CP] += count * lt.cp_bytes
+            c, r = c * hw.compute_scale, r * hw.compute_scale  # kernels inside a step (Hardware.compute_scale)
             act = w.precision.activation * b * w.seq_len / cp * shape.hidden  # this rank's s/cp tokens
             if stages.first[i] and tp > 1:  # the vocabulary-parallel embedding's all-reduce
                 comm[TP] += hw.collective_time("all_reduce", act, tp, cross[TP])
                 sent[TP] += 2 * act * (tp - 1) / tp
             if stages.last[i]:
                 ht, hcomm, hfl = self.head(b, tp, cross[TP], cp)
-                c, fl, comm[TP] = c + ht - hcomm, fl + hfl, comm[TP] + hcomm
+                c, fl, comm[TP] = c + (ht - hcomm) * hw.compute_scale, fl + hfl, comm[TP] + hcomm
                 sent[TP] += 3 * 2 * 4 * b * w.seq_len / cp * (tp - 1) / tp if tp > 1 else 0.0
             if layout.pp > 1:
                 # The stage output at the activation precision (bf16/fp16 under mixed precision); a sequence shard
@@ -339,21 +345,35 @@ class CostModel:
         return out
 
     def _dispatch(self, layout: Layout, layers: list[int], mem: RankMemory) -> float:
-        """Host seconds of the DTensor operations of tensor parallelism and FSDP2 (see the module docstring)."""
-        if self.hw.dtensor_op_overhead == 0 or (layout.tp == 1 and layout.sharding == 1):
+        """Host seconds of the DTensor operations of tensor parallelism and FSDP2 (see the module docstring); where
+        the profile measured a mechanism's host time (:meth:`Hardware.parallel_host_time`: its optimizer's work on
+        the DTensors included) that figure instead."""
+        if layout.tp == 1 and layout.sharding == 1:
             return 0.0
-        shape, m = self.w.shape, layout.micro_steps
-        ops = 0.0
+        shape, m, hw = self.w.shape, layout.micro_steps, self.hw
+        measured, ops, covered = 0.0, 0.0, True
         if layout.tp > 1:
-            ops += m * len(layers) * (48 if self.w.recompute == "full" else 36)
+            tp_host = hw.parallel_host_time("tp", layout.tp, len(layers), m)
+            if tp_host is None:
+                ops += m * len(layers) * (48 if self.w.recompute == "full" else 36)
+                covered = False
+            else:
+                measured += tp_host
         if layout.sharding > 1:
-            ops += m * (len(layers) + 1) * 8
-        tensors = len(layers) * shape.layer_tensors + 3  # + embedding / head / final norm
-        # The optimizer's ~10 elementwise ops: per tensor, or once over all of them where every parameter is a DTensor
-        # of one mesh (FSDP2 alone; experts stay plain tensors beside them): the step then runs multi-tensor
-        # (use_foreach_for_dtensors).
-        ops += 10 * (1 if layout.tp == 1 and not shape.moe_layer_ids else tensors)
-        return ops * self.hw.dtensor_op_overhead
+            # FSDP2 gathers per micro-step without a pipeline, once per step with one (gathers_per_step)
+            sh_host = hw.parallel_host_time("sharding", layout.shard_group, len(layers), m if layout.pp == 1 else 1)
+            if sh_host is None or layout.zero_stage < 3:
+                ops += m * (len(layers) + 1) * 8
+                covered = False
+            else:
+                measured += sh_host
+        if not covered:
+            tensors = len(layers) * shape.layer_tensors + 3  # + embedding / head / final norm
+            # The optimizer's ~10 elementwise ops: per tensor, or once over all of them where every parameter is a
+            # DTensor of one mesh (FSDP2 alone; experts stay plain tensors beside them): the step then runs
+            # multi-tensor (use_foreach_for_dtensors).
+            ops += 10 * (1 if layout.tp == 1 and not shape.moe_layer_ids else tensors)
+        return measured + ops * hw.dtensor_op_overhead
 
     def _optimizer(self, memory: RankMemory) -> float:
         """The optimizer step reads the gradients and reads/writes the weights, master copy and moments."""

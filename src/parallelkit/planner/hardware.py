@@ -16,6 +16,12 @@ A profile says how fast one rank computes and how fast groups of ranks communica
 - **host time**: seconds a rank's host spends per step, per micro-batch, per block and step and per block and
   micro-batch besides the kernels' work (measured by ``--calibrate``; 0 in the GPU profiles, where the host runs ahead
   of the device): :meth:`host_time`.
+- **host time of tensor parallelism and FSDP2** (``tp_host_overhead``, ``sharding_host_overhead``): CPU seconds per
+  step, per micro-batch and per block and micro-batch each mechanism adds on a rank of a group of ``g`` (DTensor dispatch,
+  autograd through it, the collectives' own CPU work), measured by ``--calibrate`` on tiny GPTs; absent in the GPU
+  profiles (the host runs ahead of the device there), where ``dtensor_op_overhead`` (0) stands in.
+- **compute scale**: a block's kernels inside a training step over the cost model's compute of it from the measured
+  GEMMs and bandwidth (``--calibrate`` on the workload's own GPT; 1 in the GPU profiles, not measured there).
 - **compute units per node**: fewer than the ranks on a node means the ranks share them (CPU processes on
   fewer cores): a step then takes at least the node's total compute divided by the units.
 
@@ -36,6 +42,7 @@ from parallelkit.errors import ConfigError
 PROFILES = Path(__file__).parent / "profiles"
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")
 HOST_TERMS = ("step_overhead", "microbatch_overhead", "layer_step_overhead", "layer_overhead")  # host seconds (calibrated)
+PARALLEL_HOST_TERMS = ("tp_host_overhead", "sharding_host_overhead")  # {g: (per step, per micro-batch, per block and micro-batch)}
 RING_OPS = ("all_reduce", "all_gather", "reduce_scatter")  # one ring per network adapter across nodes
 
 
@@ -68,6 +75,11 @@ class Hardware:
         dtensor_op_overhead: extra seconds an operation on a DTensor (tensor parallel, FSDP2's sharded parameters)
             costs over the same operation on a plain tensor (dispatch; measured by ``--calibrate``; 0 in the GPU
             profiles, where it runs ahead of the device's work).
+        tp_host_overhead / sharding_host_overhead: ``{g: [per step, per micro-batch, per block and micro-batch]}`` CPU seconds
+            tensor parallelism / FSDP2 over ``g`` ranks add to a rank's step (measured by ``--calibrate``; empty in
+            the GPU profiles). Where present for a layout they replace ``dtensor_op_overhead``'s estimate.
+        compute_scale: a block's kernels in a training step over the cost model's compute of it (measured by
+            ``--calibrate``; 1.0 in the GPU profiles).
         intra_node / inter_node: link figures; ``inter_node.bandwidth`` per GPU (its share of the node's network
             adapters), not the node's aggregate (see the module docstring).
         compute_units_per_node: independent compute units the node's ranks share (None: one per rank).
@@ -91,6 +103,9 @@ class Hardware:
     layer_overhead: float = 0.0
     dtensor_op_overhead: float = 0.0
     memory_reserved: float = 0.0
+    tp_host_overhead: dict[int, tuple[float, ...]] = field(default_factory=dict)
+    sharding_host_overhead: dict[int, tuple[float, ...]] = field(default_factory=dict)
+    compute_scale: float = 1.0
     compute_units_per_node: float | None = None
     collectives: dict[str, dict[int, tuple[float, float]]] = field(default_factory=dict)
     matmul_measured: dict[str, float] = field(default_factory=dict)
@@ -114,6 +129,14 @@ class Hardware:
             _non_negative(name, getattr(self, name))
         _non_negative("dtensor_op_overhead", self.dtensor_op_overhead)
         _non_negative("memory_reserved", self.memory_reserved)
+        _positive("compute_scale", self.compute_scale)
+        for name in PARALLEL_HOST_TERMS:
+            for g, terms in getattr(self, name).items():
+                _positive(f"{name} group size", g, integer=True)
+                if len(terms) != 3:
+                    raise ConfigError(f"strategy.hardware.{name}[{g}] takes [per step, per micro-batch, per block and micro-batch] seconds. Got {terms!r}.")
+                for value in terms:
+                    _non_negative(f"{name}[{g}]", value)
         if self.memory_reserved >= self.memory_per_device:
             raise ConfigError(f"strategy.hardware.memory_reserved={self.memory_reserved:.3g} leaves nothing of memory_per_device={self.memory_per_device:.3g}.")
         if self.compute_units_per_node is not None:
@@ -179,6 +202,16 @@ class Hardware:
         return (self.step_overhead + microbatches * self.microbatch_overhead
                 + blocks * (self.layer_step_overhead + microbatches * self.layer_overhead))
 
+    def parallel_host_time(self, axis: str, group: int, blocks: int, microbatches: float) -> float | None:
+        """CPU seconds tensor parallelism (``axis="tp"``) or FSDP2 (``"sharding"``) over ``group`` ranks adds to a
+        rank's step of ``blocks`` blocks and ``microbatches`` micro-batches; None where not measured (the nearest
+        measured group size stands in for another)."""
+        fits = {g: tuple(v) for g, v in getattr(self, f"{axis}_host_overhead").items()}
+        if group <= 1 or not fits:
+            return None
+        per_step, per_microbatch, per_block = _nearest_fit(fits, group)  # type: ignore[misc]
+        return per_step + microbatches * (per_microbatch + blocks * per_block)
+
     def with_overrides(self, **values: Any) -> Hardware:
         return replace(self, **values)
 
@@ -186,6 +219,8 @@ class Hardware:
         out = asdict(self)
         out["sources"] = list(self.sources)
         out["collectives"] = {op: {int(g): list(v) for g, v in by_g.items()} for op, by_g in self.collectives.items()}
+        for name in PARALLEL_HOST_TERMS:
+            out[name] = {int(g): list(v) for g, v in getattr(self, name).items()}
         return out
 
 
@@ -232,6 +267,10 @@ def from_dict(data: dict[str, Any], where: str) -> Hardware:
                 values[name] = float(values[name])
         values["collectives"] = {str(op): {int(g): (float(v[0]), float(v[1])) for g, v in dict(by_g).items()}
                                  for op, by_g in dict(values.get("collectives") or {}).items()}
+        for name in PARALLEL_HOST_TERMS:
+            values[name] = {int(g): tuple(float(x) for x in v) for g, v in dict(values.get(name) or {}).items()}
+        if "compute_scale" in values:
+            values["compute_scale"] = float(values["compute_scale"])
         values["matmul_measured"] = {str(k): float(v) for k, v in dict(values.get("matmul_measured") or {}).items()}
         values["sources"] = tuple(str(s) for s in values.get("sources") or ())
     except (KeyError, TypeError, ValueError, IndexError) as err:

@@ -1,0 +1,130 @@
+"""The host side of ``--calibrate``: what a training step costs the CPU beyond the model's kernels, measured by training.
+
+- **host time per step** (one process): ``train.py`` with ``strategy=single`` on 16-wide GPTs of 8-token sequences
+  (kernels of negligible work) for 30 steps, with 1 and 4 blocks and 1 and 2 micro-batches per step: their median
+  step times solve ``T = step + a·microbatch + L·layer_step + L·a·layer`` (:func:`host_time_terms`).
+- **host time of tensor parallelism and FSDP2** (:func:`extra_terms`): the same tiny GPTs (:data:`PARALLEL_POINTS`: 1
+  and 4 blocks, 1 and 2 micro-batches) under ``strategy=hybrid4d`` with ``tp = g`` or ``sharding = g`` on ``g`` processes; each rank's CPU
+  seconds per step (process time, every thread: DTensor dispatch, autograd through it, the collectives' own CPU work —
+  a rank waiting in a collective sleeps and costs none) minus the one-process step: the CPU seconds the mechanism adds
+  per step, per micro-batch and per block and micro-batch. Where ranks outnumber cores (8 CPU ranks on 2) this is work the node's shared cores
+  must do; the DTensor micro-benchmark (``dtensor_op_overhead``: a local elementwise add) misses most of it.
+- **compute in a step** (:func:`compute_scale`, GPT workloads): ``strategy=single`` on the workload's own width,
+  heads, sequence and per-rank micro-batch with 1 and 4 blocks; the per-block step time beyond the per-block host time,
+  against the cost model's compute of that block from the measured GEMMs and bandwidth: kernels inside a training step
+  (cold caches, backward GEMMs at transposed layouts, eager element-wise work below the streaming bandwidth) against
+  the same shapes timed alone in a hot loop.
+
+Every run uses the threads a training rank of the planned world gets (``max(1, CPUs // world)``, Lightning's launcher
+default) and ``os.cpu_count()`` of this machine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from parallelkit.errors import ConfigError
+
+#: The tiny GPTs ``--calibrate`` trains to measure host time: (blocks, micro-batches per step).
+HOST_POINTS = ((1, 1), (4, 1), (1, 2), (4, 2))
+#: The points of the tensor-parallel and FSDP2 runs (a subset of :data:`HOST_POINTS`).
+PARALLEL_POINTS = ((1, 1), (4, 1), (1, 2))
+TINY = ["model=gpt", "model.n_embd=16", "model.n_head=4", "data=chars", "data.seq_len=8"]
+STEPS = 30
+
+
+def _callback_spec(out: str) -> str:
+    return f"+callbacks={{calibrate_cpu:{{_target_:parallelkit.callbacks.step_cpu.StepCpu,out:{out}}}}}"
+
+
+def _train(overrides: list[str], devices: int, threads: int) -> tuple[float, float]:
+    """(median wall seconds per step, median over steps of the ranks' mean CPU seconds per step) of ``train.py``."""
+    root = Path(__file__).resolve().parents[3]
+    with tempfile.TemporaryDirectory(prefix="pk_calibrate_step_") as run_dir:
+        probe = Path(run_dir) / "cpu"
+        command = [sys.executable, str(root / "train.py"), *overrides, f"trainer.devices={devices}", f"trainer.max_steps={STEPS}",
+                   "trainer.limit_val_batches=0", "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false",
+                   "checkpoint.every_n_steps=0", "checkpoint.every_n_minutes=0", f"hydra.run.dir={run_dir}", _callback_spec(str(probe))]
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+        proc = subprocess.run(command, cwd=root, capture_output=True, text=True, timeout=600, env=env)
+        if proc.returncode != 0:
+            raise ConfigError(f"--calibrate could not run train.py to measure the host time per step:\n{proc.stderr[-1500:]}")
+        wall = float(json.loads((Path(run_dir) / "summary.json").read_text())["step_time_s_median"])
+        marks = [json.loads((probe / f"rank{r}.json").read_text()) for r in range(devices)]
+    skip = 5  # warm-up steps
+    steps = min(len(m) for m in marks) - 1
+    cpu = [statistics.fmean(m[i + 1][1] - m[i][1] for m in marks) for i in range(min(skip, steps - 1), steps)]
+    return wall, statistics.median(cpu)
+
+
+def host_time_terms(times: dict[tuple[int, int], float]) -> dict[str, float]:
+    """The host time per step ``T(L, a) = step + a·microbatch + L·layer_step + L·a·layer`` solved from the four
+    measured points :data:`HOST_POINTS` (``L`` blocks, ``a`` micro-batches), each term at least 0."""
+    d1 = times[4, 1] - times[1, 1]  # 3·(layer_step + layer)
+    d2 = times[4, 2] - times[1, 2]  # 3·(layer_step + 2·layer)
+    layer = max(0.0, (d2 - d1) / 3)
+    layer_step = max(0.0, d1 / 3 - layer)
+    microbatch = max(0.0, times[1, 2] - times[1, 1] - layer)
+    step = max(0.0, times[1, 1] - microbatch - layer_step - layer)
+    return {"step_overhead": step, "microbatch_overhead": microbatch, "layer_step_overhead": layer_step, "layer_overhead": layer}
+
+
+def extra_terms(single: dict[tuple[int, int], float], parallel: dict[tuple[int, int], float]) -> tuple[float, float, float]:
+    """(per step, per micro-batch, per block and micro-batch) CPU seconds a mechanism adds: ``single`` and ``parallel``
+    are CPU seconds per step at :data:`PARALLEL_POINTS` (blocks, micro-batches), one process and under the mechanism:
+    ``extra(L, a) = step + a·microbatch + L·a·block`` (its per-block work per step folded into the per-block term);
+    each term at least 0."""
+    extra = {p: parallel[p] - single[p] for p in PARALLEL_POINTS}
+    block = max(0.0, (extra[4, 1] - extra[1, 1]) / 3)
+    microbatch = max(0.0, extra[1, 2] - extra[1, 1] - block)
+    step = max(0.0, extra[1, 1] - microbatch - block)
+    return step, microbatch, block
+
+
+def host_overheads(world: int) -> dict[str, Any]:
+    """This machine's host time per step (:func:`host_time_terms`) and, for every ``g`` of 2 and 4 dividing ``world``,
+    the CPU seconds tensor parallelism and FSDP2 add (:func:`extra_terms`)."""
+    threads = max(1, (os.cpu_count() or 1) // world)
+    runs = {point: _train(["strategy=single", *TINY, f"model.n_layer={point[0]}",
+                           f"data.global_batch_size={8 * point[1]}", f"trainer.accumulate_grad_batches={point[1]}"], 1, threads)
+            for point in HOST_POINTS}
+    out: dict[str, Any] = host_time_terms({p: wall for p, (wall, _) in runs.items()})
+    single = {p: runs[p][1] for p in PARALLEL_POINTS}
+    for axis in ("tp", "sharding"):
+        for g in (2, 4):
+            if world % g or g > world:
+                continue
+            degrees = {"dp": 1, "sharding": 1, "tp": 1, "pp": 1, axis: g}
+            ranks = g if axis == "sharding" else 1  # every rank runs the one-process run's 8 sequences per micro-batch
+            cpu = {(layers, a): _train(["strategy=hybrid4d", *(f"strategy.{k}={v}" for k, v in degrees.items()), *TINY,
+                                        f"model.n_layer={layers}", f"data.global_batch_size={8 * a * ranks}",
+                                        f"trainer.accumulate_grad_batches={a}"], g, threads)[1]
+                   for layers, a in PARALLEL_POINTS}
+            out.setdefault(f"{axis}_host_overhead", {})[g] = list(extra_terms(single, cpu))
+    return out
+
+
+def compute_scale(w: Any, hw: Any, world: int) -> float:
+    """Seconds a block's kernels take in a training step over the cost model's compute of that block (1.0 where not
+    measured): ``strategy=single`` on the workload's GPT (its width, heads, sequence, per-rank micro-batch) with 1 and
+    4 blocks; the per-block step time less the per-block host time, over :meth:`CostModel.layer`'s compute."""
+    from parallelkit.planner.cost_model import CostModel
+
+    shape = w.shape
+    if shape.family != "gpt" or w.precision.name != "fp32" or w.recompute != "none" or not w.global_batch:
+        return 1.0
+    b = max(1, w.global_batch // world)
+    threads = max(1, (os.cpu_count() or 1) // world)
+    model = ["strategy=single", "model=gpt", "data=chars", f"model.n_embd={shape.hidden}", f"model.n_head={shape.heads}",
+             f"data.seq_len={w.seq_len}", f"data.global_batch_size={b}"]
+    one, four = (_train([*model, f"model.n_layer={layers}"], 1, threads)[0] for layers in (1, 4))
+    modelled = CostModel(w, hw).layer(b, 1, 1, False, False, False).total
+    measured = (four - one) / 3 - hw.layer_step_overhead - hw.layer_overhead
+    return round(measured / modelled, 3) if modelled > 0 and measured > 0 else 1.0  # not measurable: unscaled
