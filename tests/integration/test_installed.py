@@ -197,6 +197,19 @@ def test_installed_help_matches_train_py_and_a_bad_choice_fails(installed, tmp_p
     assert not (work / "outputs").exists()
 
 
+def test_installed_calibration_trains_from_any_directory(installed, tmp_path):
+    """``plan --calibrate`` measures the host time per step by training (``planner/calibrate_host.py``): with only the
+    wheel installed, from a directory outside the checkout, writing nothing there. (It ran the checkout's
+    ``train.py``, so an installed ``--calibrate`` failed: a pip user has no train.py.)"""
+    code = ("import json; from parallelkit.planner.calibrate_host import TINY, _train; "
+            "print(json.dumps(_train(['strategy=single', *TINY, 'model.n_layer=1', 'data.global_batch_size=8'], 1, 1)))")
+    proc = run([installed.python, "-c", code], cwd=tmp_path, env=user_env(installed), timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    wall, cpu = json.loads(proc.stdout.splitlines()[-1])
+    assert 0 < wall < 10 and 0 < cpu < 10  # seconds per step of a 16-wide one-block GPT
+    assert not list(tmp_path.iterdir())  # the run went to a scratch directory, not the user's
+
+
 # ------------------------------------------------------------------------------------ README, "Your own model"
 def readme_block(marker: str) -> str:
     """The fenced code block of README.md between ``<!-- marker -->`` and ``<!-- /marker -->``."""

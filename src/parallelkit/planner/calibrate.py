@@ -12,7 +12,7 @@ and measures, writing every number into the profile:
   tensors (rank 0 alone): what each operation of tensor parallelism and of FSDP2's sharded parameters costs extra.
 - **compute units**: the same GEMM timed by one process alone and by all at once: the ratio of the summed rates is
   how many ranks' worth of compute the node really has (ranks that share cores share it).
-- **host time** (:mod:`~parallelkit.planner.calibrate_host`): ``train.py`` on tiny GPTs (kernels of negligible
+- **host time** (:mod:`~parallelkit.planner.calibrate_host`): ``python -m parallelkit`` on tiny GPTs (kernels of negligible
   work), one process: the host seconds per step, micro-batch, block and step, block and micro-batch; under
   ``strategy=hybrid4d`` with ``tp = g`` or ``sharding = g`` on ``g`` processes: the CPU seconds per step, micro-batch and
   block tensor parallelism and FSDP2 add to a rank; and ``compute_scale``, the workload's own GPT blocks in a

@@ -1,6 +1,6 @@
 """The host side of ``--calibrate``: what a training step costs the CPU beyond the model's kernels, measured by training.
 
-- **host time per step** (one process): ``train.py`` with ``strategy=single`` on 16-wide GPTs of 8-token sequences
+- **host time per step** (one process): ``python -m parallelkit`` with ``strategy=single`` on 16-wide GPTs of 8-token sequences
   (kernels of negligible work) for 30 steps, with 1 and 4 blocks and 1 and 2 micro-batches per step: their median
   step times solve ``T = step + a·microbatch + L·layer_step + L·a·layer`` (:func:`host_time_terms`).
 - **host time of tensor parallelism and FSDP2** (:func:`extra_terms`): the same tiny GPTs (:data:`PARALLEL_POINTS`: 1
@@ -45,17 +45,22 @@ def _callback_spec(out: str) -> str:
 
 
 def _train(overrides: list[str], devices: int, threads: int) -> tuple[float, float]:
-    """(median wall seconds per step, median over steps of the ranks' mean CPU seconds per step) of ``train.py``."""
-    root = Path(__file__).resolve().parents[3]
+    """(median wall seconds per step, median over steps of the ranks' mean CPU seconds per step) of a run of
+    ``python -m parallelkit``."""
     with tempfile.TemporaryDirectory(prefix="pk_calibrate_step_") as run_dir:
         probe = Path(run_dir) / "cpu"
-        command = [sys.executable, str(root / "train.py"), *overrides, f"trainer.devices={devices}", f"trainer.max_steps={STEPS}",
+        # The installed entry point with its packaged configs, run in the scratch directory: a pip user has
+        # no clone and no train.py, and the user's working directory must not be written to.
+        command = [sys.executable, "-m", "parallelkit", *overrides, f"trainer.devices={devices}", f"trainer.max_steps={STEPS}",
                    "trainer.limit_val_batches=0", "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false",
                    "checkpoint.every_n_steps=0", "checkpoint.every_n_minutes=0", f"hydra.run.dir={run_dir}", _callback_spec(str(probe))]
-        env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
-        proc = subprocess.run(command, cwd=root, capture_output=True, text=True, timeout=600, env=env)
+        # this parallelkit, also where it is imported from a source tree rather than installed
+        package_root = str(Path(__file__).resolve().parents[2])
+        path = os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH", "")) if p)
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": path}
+        proc = subprocess.run(command, cwd=run_dir, capture_output=True, text=True, timeout=600, env=env)
         if proc.returncode != 0:
-            raise ConfigError(f"--calibrate could not run train.py to measure the host time per step:\n{proc.stderr[-1500:]}")
+            raise ConfigError(f"--calibrate could not run `python -m parallelkit` to measure the host time per step:\n{proc.stderr[-1500:]}")
         wall = float(json.loads((Path(run_dir) / "summary.json").read_text())["step_time_s_median"])
         marks = [json.loads((probe / f"rank{r}.json").read_text()) for r in range(devices)]
     skip = 5  # warm-up steps
