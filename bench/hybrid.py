@@ -14,7 +14,7 @@ that cut, and the table puts side by side, per layout:
   pipeline rank 0 — dp ``grad_allreduce``/``grad_all_reduce``, sharding ``grad_reduce_scatter`` +
   ``param_all_gather``, tp every ``tp*`` kind, pp ``pp_p2p``.
 
-    python bench/hybrid.py --steps 3                     # calibrate (~1 min), then every layout (~7 min on 2 cores)
+    python bench/hybrid.py                               # calibrate (~3 min), then every layout at 12 steps (~12 min on 2 cores)
     python bench/hybrid.py --hardware bench/results/hardware_calibrated.yaml   # reuse a profile
 
 Writes ``bench/results/hybrid.json`` (and the profile) and prints a Markdown table (``--table``: of the saved results).
@@ -103,7 +103,9 @@ def overrides_of(layout) -> list[str]:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--steps", type=int, default=3, help="optimizer steps per layout (≥ 2: step time needs two)")
+    # 12: the planner estimates the steady state, and a run's steps 2-4 are still warming up (8x1x1x1: 485, 278, 292 ms,
+    # then 188-249), so a median over 3 or 4 steps measures the warm-up; 12 take about as long (start-up dominates)
+    p.add_argument("--steps", type=int, default=12, help="optimizer steps per layout (≥ 2: step time needs two)")
     p.add_argument("--hardware", type=Path, help="a calibrated profile to use instead of calibrating now")
     p.add_argument("--timeout", type=float, default=600)
     p.add_argument("--table", action="store_true", help="print the table of bench/results/hybrid.json and exit (runs nothing)")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -10,7 +11,7 @@ import pytest
 import yaml
 
 from parallelkit.errors import ConfigError
-from parallelkit.planner.calibrate import fit_latency_bandwidth, profile_from_measurements
+from parallelkit.planner.calibrate import CONCURRENT_CALLS, fit_latency_bandwidth, profile_from_measurements
 from parallelkit.planner.hardware import from_dict, load_profile, named_profiles, resolve_hardware, save_profile
 from parallelkit.tools.plan import main
 
@@ -102,17 +103,29 @@ def test_latency_bandwidth_fit_recovers_known_links():
 
 
 def test_a_calibrated_profile_round_trips_and_loads_as_strategy_hardware(tmp_path):
-    rates = [10.0] * 4
     raw = {op: {"2": [[4096.0, 1e-3], [2 * 2**20, 5e-3]]} for op in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")}
-    result = {"matmul_measured": {"64,64,64,fp32": 1e-5}, "single_gemm_s": 0.05, "concurrent_rates": rates, "add_s": 0.01,
+    result = {"matmul_measured": {"64,64,64,fp32": 1e-5}, "single_gemm_s": 0.05, "concurrent_wall_s": 2 * CONCURRENT_CALLS * 0.05, "add_s": 0.01,
               "tiny_op_s": 5e-6, "peak_gemm_s_fp32": 0.02, "collectives_raw": [raw] * 4,
               "host_overheads_s": {"step_overhead": 3e-3, "microbatch_overhead": 1e-3, "layer_step_overhead": 2e-4, "layer_overhead": 5e-4}}
     hw = profile_from_measurements(result, 4, ["fp32"])
-    assert hw.compute_units_per_node == pytest.approx(2.0)  # four processes at 10/s against one alone at 20/s
+    assert hw.compute_units_per_node == pytest.approx(2.0)  # four processes' GEMMs in twice one process's time
     assert hw.host_time(4, 2) == pytest.approx(3e-3 + 2 * 1e-3 + 4 * (2e-4 + 2 * 5e-4))  # the measured host time per step
     path = save_profile(hw, tmp_path / "hw.yaml")
     loaded = resolve_hardware(str(path), accelerator="cpu", devices_per_node=4)
     assert loaded == from_dict(yaml.safe_load(path.read_text()), "x") and loaded.collectives["p2p"][2] == hw.collectives["p2p"][2]
+
+
+def test_compute_units_are_the_node_throughput_not_each_ranks_best_window():
+    """8 ranks on 2 cores: every rank's GEMMs at the one-process rate over the wall time of all of them at once. Each
+    rank's own best window summed (the old measure) counted a core for every rank timing while others had finished."""
+    raw = {op: {"2": [[4096.0, 1e-3], [2 * 2**20, 5e-3]]} for op in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")}
+    single, cores = 0.004, 2
+    wall = 8 * CONCURRENT_CALLS * single / cores  # the work of 8 ranks on 2 cores at the one-process rate
+    result = {"matmul_measured": {"64,64,64,fp32": 1e-5}, "single_gemm_s": single, "concurrent_wall_s": wall, "add_s": 0.01,
+              "tiny_op_s": 5e-6, "peak_gemm_s_fp32": 0.002, "collectives_raw": [raw] * 8,
+              # windows in which ranks ran alone: their rates sum to 8 ranks' worth, not the 2 cores'
+              "concurrent_rates": [1 / single] * 8}
+    assert profile_from_measurements(result, 8, ["fp32"]).compute_units_per_node == pytest.approx(cores)
 
 
 def test_calibrate_measures_this_machine(tmp_path):
@@ -128,3 +141,4 @@ def test_calibrate_measures_this_machine(tmp_path):
     assert "measured by" in hw.sources[0]
     # the host work tensor parallelism and FSDP2 add over 2 ranks, and the workload's kernels inside a step
     assert set(hw.tp_host_overhead) == {2} and set(hw.sharding_host_overhead) == {2} and hw.compute_scale > 0
+    assert 0 < hw.compute_units_per_node <= (os.cpu_count() or 1)  # 2 ranks' GEMMs can use at most the machine's CPUs

@@ -10,8 +10,9 @@ and measures, writing every number into the profile:
   ``memory_bandwidth``; a tiny op ``kernel_overhead``.
 - **DTensor dispatch**: an elementwise op on DTensors of a mesh over every rank against the same op on plain
   tensors (rank 0 alone): what each operation of tensor parallelism and of FSDP2's sharded parameters costs extra.
-- **compute units**: the same GEMM timed by one process alone and by all at once: the ratio of the summed rates is
-  how many ranks' worth of compute the node really has (ranks that share cores share it).
+- **compute units**: the same GEMM timed by one process alone, then the same number of them run by every rank at
+  once between two barriers: their total at the one-process rate over that wall time is how many ranks' worth of
+  compute the node really has (ranks that share cores share it).
 - **host time** (:mod:`~parallelkit.planner.calibrate_host`): ``python -m parallelkit`` on tiny GPTs (kernels of negligible
   work), one process: the host seconds per step, micro-batch, block and step, block and micro-batch; under
   ``strategy=hybrid4d`` with ``tp = g`` or ``sharding = g`` on ``g`` processes: the CPU seconds per step, micro-batch and
@@ -44,6 +45,7 @@ from parallelkit.planner.hardware import HOST_TERMS, PARALLEL_HOST_TERMS, Hardwa
 from parallelkit.planner.search import divisors
 from parallelkit.planner.workload import Workload
 
+CONCURRENT_CALLS = 48  # 512³ GEMMs per rank in the all-at-once phase (~0.5 s at 8 ranks on 2 cores)
 SIZES = (4 * 2**10, 64 * 2**10, 512 * 2**10, 2 * 2**20)  # bytes per collective buffer
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")
 
@@ -148,11 +150,16 @@ def _worker(rank: int, world: int, store_dir: str, shapes: list[tuple[int, int, 
         pa, pb = torch.randn(64), torch.randn(64)
         result["dtensor_op_s"] = max(0.0, _timeit(lambda: da + db, min_time=0.1) - _timeit(lambda: pa + pb, min_time=0.1))
     dist.barrier()
-    # Phase 2: every rank at once.
-    concurrent = _timeit(big, min_time=0.5)
-    rates = [None] * world
-    dist.all_gather_object(rates, 1.0 / concurrent)
-    result["concurrent_rates"] = rates
+    # Phase 2: every rank at once, the same GEMMs between two barriers: the node's throughput is all of them over the
+    # slowest rank's wall time. (Each rank's own best timing window over-counts where ranks outnumber cores: a rank
+    # timing after others finished has their cores; it gave 2.76 units on 2 logical CPUs.)
+    big()
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(CONCURRENT_CALLS):
+        big()
+    dist.barrier()
+    result["concurrent_wall_s"] = time.perf_counter() - start
     # Phase 3: collectives per group size, every group at once.
     timings: dict[str, dict[int, list[tuple[float, float]]]] = {op: {} for op in OPS}
     for g in [d for d in divisors(world) if d > 1]:
@@ -228,8 +235,8 @@ def profile_from_measurements(result: dict[str, Any], world: int, dtypes: list[s
     flops = {name: 2 * 1024**3 / result[f"peak_gemm_s_{name}"] for name in dtypes}
     if "bf16" not in flops:
         flops["bf16"] = flops["fp32"]
-    single_rate = 1.0 / result["single_gemm_s"]
-    units = sum(result["concurrent_rates"]) / single_rate
+    # every rank's GEMMs at the one-process rate, over the wall time they took all at once
+    units = world * CONCURRENT_CALLS * result["single_gemm_s"] / result["concurrent_wall_s"]
     # Per (op, g): the slowest rank of the concurrently running groups decides, as in a collective.
     collectives: dict[str, dict[int, tuple[float, float]]] = {}
     per_rank = result["collectives_raw"]
@@ -246,7 +253,7 @@ def profile_from_measurements(result: dict[str, Any], world: int, dtypes: list[s
 
     source = (f"measured by `python -m parallelkit.plan --calibrate` on {host} ({platform.processor() or platform.machine()}, "
               f"{os.cpu_count()} logical CPUs) at {datetime.now(timezone.utc).isoformat(timespec='seconds')}: {world} processes, "
-              f"torch {torch.__version__}, gloo; compute units = summed concurrent GEMM rate / single-process rate")
+              f"torch {torch.__version__}, gloo; compute units = every rank's GEMMs at the one-process rate / their wall time all at once")
     return Hardware(
         name=f"calibrated_{host}_{world}x_gloo", devices_per_node=world, memory_per_device=host_memory_per_rank(world),
         matmul_flops=flops, memory_bandwidth=3 * 4 * 2**22 / result["add_s"], kernel_overhead=result["tiny_op_s"],

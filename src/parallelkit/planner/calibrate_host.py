@@ -38,6 +38,7 @@ HOST_POINTS = ((1, 1), (4, 1), (1, 2), (4, 2))
 PARALLEL_POINTS = ((1, 1), (4, 1), (1, 2))
 TINY = ["model=gpt", "model.n_embd=16", "model.n_head=4", "data=chars", "data.seq_len=8"]
 STEPS = 30
+SCALE_REPEATS = 3  # pairs of runs behind compute_scale (block_step_time)
 
 
 def _callback_spec(out: str) -> str:
@@ -116,10 +117,23 @@ def host_overheads(world: int) -> dict[str, Any]:
     return out
 
 
+def block_step_time(model: list[str], threads: int, repeats: int = SCALE_REPEATS) -> float:
+    """Wall seconds one more block adds to a one-process training step of ``model``: the median over ``repeats``
+    interleaved pairs of runs with 1 and 4 blocks. (One pair gave 4.1 and 7.1 ms per block for the same workload
+    a quarter of an hour apart on this 2-CPU VM: a run's median step moves with the machine, and the difference of
+    two medians doubles that; pairs run back to back see the same machine.)"""
+    per_block = []
+    for _ in range(repeats):
+        one, four = (_train([*model, f"model.n_layer={layers}"], 1, threads)[0] for layers in (1, 4))
+        per_block.append((four - one) / 3)
+    return statistics.median(per_block)
+
+
 def compute_scale(w: Any, hw: Any, world: int) -> float:
     """Seconds a block's kernels take in a training step over the cost model's compute of that block (1.0 where not
     measured): ``strategy=single`` on the workload's GPT (its width, heads, sequence, per-rank micro-batch) with 1 and
-    4 blocks; the per-block step time less the per-block host time, over :meth:`CostModel.layer`'s compute."""
+    4 blocks (:func:`block_step_time`); the per-block step time less the per-block host time, over
+    :meth:`CostModel.layer`'s compute."""
     from parallelkit.planner.cost_model import CostModel
 
     shape = w.shape
@@ -129,7 +143,6 @@ def compute_scale(w: Any, hw: Any, world: int) -> float:
     threads = max(1, (os.cpu_count() or 1) // world)
     model = ["strategy=single", "model=gpt", "data=chars", f"model.n_embd={shape.hidden}", f"model.n_head={shape.heads}",
              f"data.seq_len={w.seq_len}", f"data.global_batch_size={b}"]
-    one, four = (_train([*model, f"model.n_layer={layers}"], 1, threads)[0] for layers in (1, 4))
     modelled = CostModel(w, hw).layer(b, 1, 1, False, False, False).total
-    measured = (four - one) / 3 - hw.layer_step_overhead - hw.layer_overhead
+    measured = block_step_time(model, threads) - hw.layer_step_overhead - hw.layer_overhead
     return round(measured / modelled, 3) if modelled > 0 and measured > 0 else 1.0  # not measurable: unscaled
