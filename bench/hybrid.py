@@ -7,14 +7,15 @@ profile of *this machine* — measured first with ``python -m parallelkit.plan -
 Each layout hybrid4d can run is then trained for a few steps with ``python train.py strategy=hybrid4d ...`` at
 that cut, and the table puts side by side, per layout:
 
-- the measured median step time and the planner's estimate, with both rankings; their Spearman rank correlation
+- the measured step time (the median step of each run, then the median over ``--passes`` passes through every
+  layout in alternating order) and the planner's estimate, with both rankings; their Spearman rank correlation
   is the planner's score here (the issue asks for ≥ 0.7);
 - model-state bytes of the most loaded rank (``summary.json`` ``model_state_bytes``) against the estimate;
 - bytes rank 0 sends per step on each axis (``comm.by_kind``, rank 0's own counter) against the estimate for
   pipeline rank 0 — dp ``grad_allreduce``/``grad_all_reduce``, sharding ``grad_reduce_scatter`` +
   ``param_all_gather``, tp every ``tp*`` kind, pp ``pp_p2p``.
 
-    python bench/hybrid.py                               # calibrate (~3 min), then every layout at 12 steps (~12 min on 2 cores)
+    python bench/hybrid.py                               # calibrate (~5 min), then every layout at 12 steps, twice (~20 min on 2 cores)
     python bench/hybrid.py --hardware bench/results/hardware_calibrated.yaml   # reuse a profile
 
 Writes ``bench/results/hybrid.json`` (and the profile) and prints a Markdown table (``--table``: of the saved results).
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -106,6 +108,9 @@ def main(argv: list[str] | None = None) -> None:
     # 12: the planner estimates the steady state, and a run's steps 2-4 are still warming up (8x1x1x1: 485, 278, 292 ms,
     # then 188-249), so a median over 3 or 4 steps measures the warm-up; 12 take about as long (start-up dominates)
     p.add_argument("--steps", type=int, default=12, help="optimizer steps per layout (≥ 2: step time needs two)")
+    # 2: one pass's row moves by up to ~25 % between runs minutes apart (8x1x1x1: 224 then 175 ms), enough to reorder
+    # the three fastest layouts, whose estimates lie within 5-16 % of each other; passes in alternating order, medians
+    p.add_argument("--passes", type=int, default=2, help="passes over every layout, alternating order; each row is the median of its passes")
     p.add_argument("--hardware", type=Path, help="a calibrated profile to use instead of calibrating now")
     p.add_argument("--timeout", type=float, default=600)
     p.add_argument("--table", action="store_true", help="print the table of bench/results/hybrid.json and exit (runs nothing)")
@@ -134,26 +139,33 @@ def main(argv: list[str] | None = None) -> None:
     cfg = compose_config([*WORKLOAD, "strategy=auto"])
     plan = choose_layout(cfg, 8, hardware)
     runnable = [c for c in best_per_layout(plan) if c.invalid is None and c.fits]
-    results = {"workload": {"overrides": WORKLOAD, "world_size": 8, "steps": args.steps, "num_params": plan.num_params},
+    results = {"workload": {"overrides": WORKLOAD, "world_size": 8, "steps": args.steps, "passes": args.passes, "num_params": plan.num_params},
                "hardware": hardware.as_dict(), "chosen": plan.chosen.layout.as_dict(),
                "not_runnable": [{"degrees": c.degrees, "why": c.invalid} for c in best_per_layout(plan) if c.invalid],
                "layouts": []}
+    summaries: dict[int, list[dict]] = {i: [] for i in range(len(runnable))}
     with tempfile.TemporaryDirectory(prefix="pk_bench_hybrid_") as tmp:
-        for i, c in enumerate(runnable):
-            start = time.time()
-            summary = train(overrides_of(c.layout), Path(tmp) / f"layout{i}", args.steps, args.timeout)
-            print(f"[{i + 1}/{len(runnable)}] {c.label}: {time.time() - start:.0f} s", file=sys.stderr, flush=True)
-            state = sum(summary["model_state_bytes"].values())
-            comm = measured_comm(summary)
-            rank0 = c.time.comm_bytes_by_rank[0]  # global rank 0 has pp coordinate 0 in every mesh order
-            results["layouts"].append({
-                "layout": c.layout.as_dict(), "label": c.label, "chosen": c is plan.chosen,
-                "estimated_state_bytes": c.memory["state"], "measured_state_bytes": state, "state_ratio": c.memory["state"] / state,
-                "estimated_comm_bytes": {a: rank0[a] for a in AXES}, "measured_comm_bytes": comm,
-                "comm_ratio": {a: (rank0[a] / comm[a] if comm[a] else None) for a in AXES if rank0[a] or comm[a]},
-                "estimated_step_time_s": c.total_time, "estimated_time_terms_s": c.time.as_dict(),
-                "measured_step_time_s": summary["step_time_s_median"], "measured_dims": summary["dims"], "train_loss": summary["train_loss"],
-            })
+        for k in range(args.passes):  # drift over the minutes a pass takes hits the layouts of each end alike
+            order = list(range(len(runnable)))[:: 1 if k % 2 == 0 else -1]
+            for n, i in enumerate(order):
+                start = time.time()
+                summaries[i].append(train(overrides_of(runnable[i].layout), Path(tmp) / f"layout{i}_pass{k}", args.steps, args.timeout))
+                print(f"[pass {k + 1}/{args.passes}, {n + 1}/{len(runnable)}] {runnable[i].label}: {time.time() - start:.0f} s", file=sys.stderr, flush=True)
+    for i, c in enumerate(runnable):
+        summary = summaries[i][0]
+        state = sum(summary["model_state_bytes"].values())
+        comm = measured_comm(summary)
+        rank0 = c.time.comm_bytes_by_rank[0]  # global rank 0 has pp coordinate 0 in every mesh order
+        steps = [s["step_time_s_median"] for s in summaries[i]]
+        results["layouts"].append({
+            "layout": c.layout.as_dict(), "label": c.label, "chosen": c is plan.chosen,
+            "estimated_state_bytes": c.memory["state"], "measured_state_bytes": state, "state_ratio": c.memory["state"] / state,
+            "estimated_comm_bytes": {a: rank0[a] for a in AXES}, "measured_comm_bytes": comm,
+            "comm_ratio": {a: (rank0[a] / comm[a] if comm[a] else None) for a in AXES if rank0[a] or comm[a]},
+            "estimated_step_time_s": c.total_time, "estimated_time_terms_s": c.time.as_dict(),
+            "measured_step_time_s": statistics.median(steps), "measured_step_time_s_per_pass": steps,
+            "measured_dims": summary["dims"], "train_loss": summary["train_loss"],
+        })
     rows = results["layouts"]
     results["machine"] = {"started": started, "finished": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                           "loadavg_before": list(load_before), "cpus": os.cpu_count(), "calibrated_now": args.hardware is None}

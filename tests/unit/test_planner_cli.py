@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from parallelkit.errors import ConfigError
-from parallelkit.planner.calibrate import CONCURRENT_CALLS, fit_latency_bandwidth, profile_from_measurements
+from parallelkit.planner.calibrate import CONCURRENT_CALLS, COLLECTIVE_PASSES, fit_latency_bandwidth, interleaved_medians, profile_from_measurements
 from parallelkit.planner.hardware import from_dict, load_profile, named_profiles, resolve_hardware, save_profile
 from parallelkit.tools.plan import main
 
@@ -126,6 +126,39 @@ def test_compute_units_are_the_node_throughput_not_each_ranks_best_window():
               # windows in which ranks ran alone: their rates sum to 8 ranks' worth, not the 2 cores'
               "concurrent_rates": [1 / single] * 8}
     assert profile_from_measurements(result, 8, ["fp32"]).compute_units_per_node == pytest.approx(cores)
+
+
+def test_collective_timings_survive_a_disturbance_that_lasts_several_rounds():
+    """Each collective's rounds are spread over passes through all of them: a disturbance on a shared machine that
+    lasts three rounds' time (the other work slows every round 3x) leaves every median at its undisturbed value.
+    Negative control: the same clock and disturbance with each job's rounds back to back (the old order) moves one."""
+    true = {("all_gather", 8, n): 1e-3 * (1 + n / 2**20) for n in (4096, 65536, 524288, 2097152)}
+    true.update({("all_reduce", 8, n): 2e-3 * (1 + n / 2**20) for n in (4096, 65536, 524288, 2097152)})
+
+    class Collective:  # what a job calls; the fake round reads which one it is
+        def __init__(self, key):
+            self.key = key
+
+        def __call__(self):
+            pass
+
+    jobs = [(key, Collective(key), key[2]) for key in true]
+
+    def timer():
+        clock = {"rounds": 0}
+
+        def time_round(fn, nbytes):
+            clock["rounds"] += 1
+            disturbed = 11 <= clock["rounds"] <= 13  # three consecutive rounds, whatever they time
+            return true[fn.key] * (3 if disturbed else 1)
+        return time_round
+
+    assert interleaved_medians(jobs, timer()) == true
+    back_to_back = {}
+    time_round = timer()
+    for key, fn, nbytes in jobs:
+        back_to_back[key] = sorted(time_round(fn, nbytes) for _ in range(COLLECTIVE_PASSES))[COLLECTIVE_PASSES // 2]
+    assert back_to_back != true  # the job whose rounds the disturbance covers keeps a 3x median
 
 
 def test_calibrate_measures_this_machine(tmp_path):

@@ -19,7 +19,8 @@ and measures, writing every number into the profile:
   block tensor parallelism and FSDP2 add to a rank; and ``compute_scale``, the workload's own GPT blocks in a
   one-process training step against the cost model's compute of them.
 - **collectives per group size**: for every group size g dividing the world, all groups at once (as in training),
-  all-reduce, all-gather, reduce-scatter, all-to-all and point-to-point send/recv at several sizes; a least-squares
+  all-reduce, all-gather, reduce-scatter, all-to-all and point-to-point send/recv at several sizes, each the median
+  of ``COLLECTIVE_PASSES`` rounds taken in passes through all of them (:func:`interleaved_medians`); a least-squares
   fit of ``time = latency + bytes sent / bandwidth`` per operation and g.
 
 The profile (YAML) is what ``strategy.hardware=PATH`` loads; its ``sources`` say where, when and how it was measured.
@@ -88,21 +89,34 @@ def _timeit(fn: Any, min_time: float = 0.02, repeats: int = 3) -> float:
     return best
 
 
-def _collective_seconds(fn: Any, nbytes: int) -> float:
-    """Seconds per call of a collective: a fixed number of calls on every rank (a collective must be called the same
-    number of times by all members; a per-rank adaptive count would deadlock), more for small buffers."""
+COLLECTIVE_PASSES = 5  # timed passes over every (operation, group size, buffer size); the median per entry is kept
+
+
+def _collective_round(fn: Any, nbytes: int) -> float:
+    """Seconds per call of a collective, one timed round: a fixed number of calls on every rank (a collective must be
+    called the same number of times by all members; a per-rank adaptive count would deadlock), more for small buffers."""
     import torch.distributed as dist
 
     calls = 20 if nbytes <= 64 * 2**10 else 6
-    fn()  # warm-up: connections, buffers
-    rounds = []
-    for _ in range(3):  # the median of three rounds: a shared machine's other work shows up as outliers
-        dist.barrier()
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        rounds.append((time.perf_counter() - start) / calls)
-    return statistics.median(rounds)
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter() - start) / calls
+
+
+def interleaved_medians(jobs: list[tuple[Any, Any, int]], time_round: Any, passes: int = COLLECTIVE_PASSES) -> dict[Any, float]:
+    """``{key: median seconds}`` over ``passes`` passes through every ``(key, fn, nbytes)`` job in turn. Interleaved, not
+    each job's rounds back to back: on a shared machine a disturbance lasts seconds and would otherwise take every
+    round of the few jobs it overlaps (one 8-rank calibration fitted an all-gather latency of 52 ms where the others
+    measured 9-19); spread over passes, it costs each job at most the one round the median drops."""
+    rounds: dict[Any, list[float]] = {key: [] for key, _, _ in jobs}
+    for _, fn, _ in jobs:
+        fn()  # warm-up: connections, buffers
+    for _ in range(passes):
+        for key, fn, nbytes in jobs:
+            rounds[key].append(time_round(fn, nbytes))
+    return {key: statistics.median(r) for key, r in rounds.items()}
 
 
 def _worker(rank: int, world: int, store_dir: str, shapes: list[tuple[int, int, int]], dtypes: list[str], out: str) -> None:
@@ -161,7 +175,7 @@ def _worker(rank: int, world: int, store_dir: str, shapes: list[tuple[int, int, 
     dist.barrier()
     result["concurrent_wall_s"] = time.perf_counter() - start
     # Phase 3: collectives per group size, every group at once.
-    timings: dict[str, dict[int, list[tuple[float, float]]]] = {op: {} for op in OPS}
+    jobs: list[tuple[tuple[str, int, int], Any, int]] = []
     for g in [d for d in divisors(world) if d > 1]:
         groups = [dist.new_group(list(range(i, i + g))) for i in range(0, world, g)]  # every rank creates every group
         group = groups[rank // g]
@@ -169,22 +183,19 @@ def _worker(rank: int, world: int, store_dir: str, shapes: list[tuple[int, int, 
             n = max(g, nbytes // 4 // g * g)
             x = torch.randn(n)
             ops = {
-                "all_reduce": lambda: dist.all_reduce(x, group=group),
-                "all_gather": lambda: all_gather_single(torch.empty(n), x[: n // g].contiguous(), group=group),
-                "reduce_scatter": lambda: reduce_scatter_single(torch.empty(n // g), x, group=group),
-                "all_to_all": lambda: dist.all_to_all_single(torch.empty(n), x, group=group),
+                "all_reduce": lambda x=x, group=group: dist.all_reduce(x, group=group),
+                "all_gather": lambda x=x, n=n, g=g, group=group: all_gather_single(torch.empty(n), x[: n // g].contiguous(), group=group),
+                "reduce_scatter": lambda x=x, n=n, g=g, group=group: reduce_scatter_single(torch.empty(n // g), x, group=group),
+                "all_to_all": lambda x=x, n=n, group=group: dist.all_to_all_single(torch.empty(n), x, group=group),
             }
-            for op, fn in ops.items():
-                timings[op].setdefault(g, []).append((float(n * 4), _collective_seconds(fn, n * 4)))
             if g == 2:  # point-to-point between the pair, both directions at once (pipeline neighbours)
-                peer = rank ^ 1
-
-                def p2p() -> None:
-                    reqs = dist.batch_isend_irecv([dist.P2POp(dist.isend, x, peer), dist.P2POp(dist.irecv, torch.empty(n), peer)])
-                    for r in reqs:
-                        r.wait()
-
-                timings["p2p"].setdefault(2, []).append((float(n * 4), _collective_seconds(p2p, n * 4)))
+                ops["p2p"] = lambda x=x, n=n, peer=rank ^ 1: [r.wait() for r in dist.batch_isend_irecv(
+                    [dist.P2POp(dist.isend, x, peer), dist.P2POp(dist.irecv, torch.empty(n), peer)])]
+            jobs += [((op, g, n * 4), fn, n * 4) for op, fn in ops.items()]
+    seconds = interleaved_medians(jobs, _collective_round)
+    timings: dict[str, dict[int, list[tuple[float, float]]]] = {op: {} for op in OPS}
+    for (op, g, nbytes), t in seconds.items():
+        timings[op].setdefault(g, []).append((float(nbytes), t))
     gathered = [None] * world
     dist.all_gather_object(gathered, timings)
     if rank == 0:
