@@ -15,9 +15,10 @@ and measures, writing every number into the profile:
   compute the node really has (ranks that share cores share it).
 - **host time** (:mod:`~parallelkit.planner.calibrate_host`): ``python -m parallelkit`` on tiny GPTs (kernels of negligible
   work), one process: the host seconds per step, micro-batch, block and step, block and micro-batch; under
-  ``strategy=hybrid4d`` with ``tp = g`` or ``sharding = g`` on ``g`` processes: the CPU seconds per step, micro-batch and
-  block tensor parallelism and FSDP2 add to a rank; and ``compute_scale``, the workload's own GPT blocks in a
-  one-process training step against the cost model's compute of them.
+  ``strategy=hybrid4d`` with ``tp = g``, ``sharding = g`` or ``pp = g`` on ``g`` processes: the CPU seconds per step,
+  micro-batch and block tensor parallelism, FSDP2 and a pipeline add to a rank; the workload's optimizer step per
+  parameter element; and ``compute_scale``, the workload's own GPT blocks in a one-process training step against the
+  cost model's compute of them.
 - **collectives per group size**: for every group size g dividing the world, all groups at once (as in training),
   all-reduce, all-gather, reduce-scatter, all-to-all and point-to-point send/recv at several sizes, each the median
   of ``COLLECTIVE_PASSES`` rounds taken in passes through all of them (:func:`interleaved_medians`); a least-squares
@@ -41,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from parallelkit.errors import ConfigError
-from parallelkit.planner.calibrate_host import HOST_POINTS, compute_scale, host_overheads, host_time_terms  # noqa: F401
+from parallelkit.planner.calibrate_host import HOST_POINTS, compute_scale, host_overheads, host_time_terms, optimizer_element_time  # noqa: F401
 from parallelkit.planner.hardware import HOST_TERMS, PARALLEL_HOST_TERMS, Hardware, Link, host_memory_per_rank
 from parallelkit.planner.search import divisors
 from parallelkit.planner.workload import Workload
@@ -239,7 +240,8 @@ def calibrate(w: Workload, world: int, *, dtypes: list[str] | None = None) -> Ha
         result = json.loads(out.read_text())
     result["host_overheads_s"] = host_overheads(world)
     hardware = profile_from_measurements(result, world, dtypes)
-    return replace(hardware, compute_scale=compute_scale(w, hardware, world))
+    hardware = replace(hardware, optimizer_element_time=optimizer_element_time(w, max(1, (os.cpu_count() or 1) // world)))
+    return replace(hardware, compute_scale=compute_scale(w, hardware, world))  # needs the optimizer's time
 
 
 def profile_from_measurements(result: dict[str, Any], world: int, dtypes: list[str]) -> Hardware:

@@ -3,14 +3,18 @@
 - **host time per step** (one process): ``python -m parallelkit`` with ``strategy=single`` on 16-wide GPTs of 8-token sequences
   (kernels of negligible work) for 30 steps, with 1 and 4 blocks and 1 and 2 micro-batches per step: their median
   step times solve ``T = step + a·microbatch + L·layer_step + L·a·layer`` (:func:`host_time_terms`).
-- **host time of tensor parallelism and FSDP2** (:func:`extra_terms`): the same tiny GPTs (:data:`PARALLEL_POINTS`: 1
-  and 4 blocks, 1 and 2 micro-batches) under ``strategy=hybrid4d`` with ``tp = g`` or ``sharding = g`` on ``g`` processes; each rank's CPU
+- **host time of tensor parallelism, FSDP2 and pipelines** (:func:`extra_terms`): the same tiny GPTs
+  (:data:`PARALLEL_POINTS`: 1 and 4 blocks per rank, 1 and 2 micro-batches) under ``strategy=hybrid4d`` with ``tp = g``,
+  ``sharding = g`` or ``pp = g`` (``g`` stages of that many blocks, GPipe: it runs one micro-batch) on ``g`` processes; each rank's CPU
   seconds per step (process time, every thread: DTensor dispatch, autograd through it, the collectives' own CPU work —
   a rank waiting in a collective sleeps and costs none) minus the one-process step: the CPU seconds the mechanism adds
   per step, per micro-batch and per block and micro-batch. Where ranks outnumber cores (8 CPU ranks on 2) this is work the node's shared cores
   must do; the DTensor micro-benchmark (``dtensor_op_overhead``: a local elementwise add) misses most of it.
+- **an optimizer step** (:func:`optimizer_element_time`): the workload's optimizer on tensors of one block's sizes, one
+  process at a rank's threads: seconds per parameter element.
 - **compute in a step** (:func:`compute_scale`, GPT workloads): ``strategy=single`` on the workload's own width,
-  heads, sequence and per-rank micro-batch with 1 and 4 blocks; the per-block step time beyond the per-block host time,
+  heads, sequence and per-rank micro-batch with 1 and 4 blocks; the per-block step time beyond the per-block host and
+  optimizer time,
   against the cost model's compute of that block from the measured GEMMs and bandwidth: kernels inside a training step
   (cold caches, backward GEMMs at transposed layouts, eager element-wise work below the streaming bandwidth) against
   the same shapes timed alone in a hot loop.
@@ -27,6 +31,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +39,7 @@ from parallelkit.errors import ConfigError
 
 #: The tiny GPTs ``--calibrate`` trains to measure host time: (blocks, micro-batches per step).
 HOST_POINTS = ((1, 1), (4, 1), (1, 2), (4, 2))
-#: The points of the tensor-parallel and FSDP2 runs (a subset of :data:`HOST_POINTS`).
+#: The points of the tensor-parallel, FSDP2 and pipeline runs (a subset of :data:`HOST_POINTS`; blocks per rank).
 PARALLEL_POINTS = ((1, 1), (4, 1), (1, 2))
 TINY = ["model=gpt", "model.n_embd=16", "model.n_head=4", "data=chars", "data.seq_len=8"]
 STEPS = 30
@@ -96,25 +101,67 @@ def extra_terms(single: dict[tuple[int, int], float], parallel: dict[tuple[int, 
 
 def host_overheads(world: int) -> dict[str, Any]:
     """This machine's host time per step (:func:`host_time_terms`) and, for every ``g`` of 2 and 4 dividing ``world``,
-    the CPU seconds tensor parallelism and FSDP2 add (:func:`extra_terms`)."""
+    the CPU seconds tensor parallelism, FSDP2 and a pipeline add (:func:`extra_terms`)."""
     threads = max(1, (os.cpu_count() or 1) // world)
     runs = {point: _train(["strategy=single", *TINY, f"model.n_layer={point[0]}",
                            f"data.global_batch_size={8 * point[1]}", f"trainer.accumulate_grad_batches={point[1]}"], 1, threads)
             for point in HOST_POINTS}
     out: dict[str, Any] = host_time_terms({p: wall for p, (wall, _) in runs.items()})
     single = {p: runs[p][1] for p in PARALLEL_POINTS}
-    for axis in ("tp", "sharding"):
+    for axis in ("tp", "sharding", "pp"):
         for g in (2, 4):
             if world % g or g > world:
                 continue
-            degrees = {"dp": 1, "sharding": 1, "tp": 1, "pp": 1, axis: g}
-            ranks = g if axis == "sharding" else 1  # every rank runs the one-process run's 8 sequences per micro-batch
-            cpu = {(layers, a): _train(["strategy=hybrid4d", *(f"strategy.{k}={v}" for k, v in degrees.items()), *TINY,
-                                        f"model.n_layer={layers}", f"data.global_batch_size={8 * a * ranks}",
-                                        f"trainer.accumulate_grad_batches={a}"], g, threads)[1]
-                   for layers, a in PARALLEL_POINTS}
+            cpu = {(blocks, a): _train(parallel_overrides(axis, g, blocks, a), g, threads)[1] for blocks, a in PARALLEL_POINTS}
             out.setdefault(f"{axis}_host_overhead", {})[g] = list(extra_terms(single, cpu))
     return out
+
+
+def parallel_overrides(axis: str, g: int, blocks: int, microbatches: int) -> list[str]:
+    """The tiny GPT under ``axis = g`` whose ranks each hold ``blocks`` blocks and run ``microbatches`` micro-batches of
+    the one-process run's 8 sequences (a pipeline: ``g`` stages of ``blocks`` blocks; GPipe, which runs 1 micro-batch)."""
+    degrees = {"dp": 1, "sharding": 1, "tp": 1, "pp": 1, axis: g}
+    ranks = g if axis == "sharding" else 1  # sharding's ranks each read their own 8 sequences
+    out = ["strategy=hybrid4d", *(f"strategy.{k}={v}" for k, v in degrees.items()), *TINY,
+           f"data.global_batch_size={8 * microbatches * ranks}"]
+    if axis == "pp":
+        return [*out, f"model.n_layer={blocks * g}", f"strategy.microbatches={microbatches}", "strategy.schedule=gpipe"]
+    return [*out, f"model.n_layer={blocks}", f"trainer.accumulate_grad_batches={microbatches}"]
+
+
+def optimizer_element_time(w: Any, threads: int, min_time: float = 0.3) -> float:
+    """Seconds per parameter element of one step of the workload's optimizer (``w.optimizer``, its defaults and
+    lr 1e-3) on ``shape.layer_tensors`` tensors holding one block's elements, this process at ``threads`` threads:
+    the median of 5 timed rounds. PyTorch's CPU AdamW loops over the tensors (no fused or multi-tensor default
+    there), several element-wise passes each: 4.4 ms for the 0.83 M parameters of ``model=gpt`` on this 2-CPU VM,
+    where streaming its bytes once at the measured bandwidth takes 0.6 ms."""
+    import importlib
+
+    import torch
+
+    shape = w.shape
+    tensors = max(1, shape.layer_tensors)
+    elements = max(shape.dense_layer, tensors)
+    module, _, name = w.optimizer.rpartition(".")
+    optimizer_class = getattr(importlib.import_module(module), name)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        params = [torch.nn.Parameter(torch.randn(elements // tensors)) for _ in range(tensors)]
+        for p in params:
+            p.grad = torch.randn_like(p)
+        optimizer = optimizer_class(params, lr=1e-3)
+        optimizer.step()  # state allocated
+        rounds = []
+        for _ in range(5):
+            calls, start = 0, time.perf_counter()
+            while time.perf_counter() - start < min_time / 5:
+                optimizer.step()
+                calls += 1
+            rounds.append((time.perf_counter() - start) / calls)
+    finally:
+        torch.set_num_threads(before)
+    return statistics.median(rounds) / (elements // tensors * tensors)
 
 
 def block_step_time(model: list[str], threads: int, repeats: int = SCALE_REPEATS) -> float:
@@ -133,7 +180,8 @@ def compute_scale(w: Any, hw: Any, world: int) -> float:
     """Seconds a block's kernels take in a training step over the cost model's compute of that block (1.0 where not
     measured): ``strategy=single`` on the workload's GPT (its width, heads, sequence, per-rank micro-batch) with 1 and
     4 blocks (:func:`block_step_time`); the per-block step time less the per-block host time, over
-    :meth:`CostModel.layer`'s compute."""
+    :meth:`CostModel.layer`'s compute. The per-block step time holds the block's optimizer step too: the profile's
+    ``optimizer_element_time`` × the block's elements comes off (the cost model charges it per element held)."""
     from parallelkit.planner.cost_model import CostModel
 
     shape = w.shape
@@ -144,5 +192,6 @@ def compute_scale(w: Any, hw: Any, world: int) -> float:
     model = ["strategy=single", "model=gpt", "data=chars", f"model.n_embd={shape.hidden}", f"model.n_head={shape.heads}",
              f"data.seq_len={w.seq_len}", f"data.global_batch_size={b}"]
     modelled = CostModel(w, hw).layer(b, 1, 1, False, False, False).total
-    measured = block_step_time(model, threads) - hw.layer_step_overhead - hw.layer_overhead
+    measured = (block_step_time(model, threads) - hw.layer_step_overhead - hw.layer_overhead
+                - hw.optimizer_element_time * shape.dense_layer)
     return round(measured / modelled, 3) if modelled > 0 and measured > 0 else 1.0  # not measurable: unscaled

@@ -327,8 +327,10 @@ class CostModel:
             out.comm_bytes[axis] = max(r[axis] for r in out.comm_bytes_by_rank)
         out.optimizer = max(self._optimizer(mem) for mem in memory)
         out.fsdp_copy = max(fsdp_copy_out_time(w, hw, layout, mem) for mem in memory)
-        # Host time: the rank holding the most blocks; a pipeline rank runs m micro-batches through each of its chunks.
-        out.host = max(hw.host_time(len(layers), m) for layers in stages.layers)
+        # Host time: the rank holding the most blocks; a pipeline rank runs m micro-batches through each of its chunks,
+        # and its schedule's actions and sends cost what the profile measured a pipeline adding (CPU profiles).
+        out.host = max(hw.host_time(len(layers), m) + (hw.parallel_host_time("pp", layout.pp, len(layers), m) or 0.0)
+                       for layers in stages.layers)
         out.dispatch = max(self._dispatch(layout, layers, mem) for layers, mem in zip(stages.layers, memory))
         critical = (pipeline + exposed_dp + exposed_sh + finalize[TP] + finalize[PP] + out.fsdp_copy + out.optimizer + out.host
                     + out.dispatch)
@@ -336,7 +338,9 @@ class CostModel:
             ranks_per_node = min(n, layout.world)
             mean_compute = sum(c * k for c, k in zip(compute_only, weights)) / total_weight
             busy = (mean_compute * m + out.fsdp_copy + out.optimizer + out.host + out.dispatch) * ranks_per_node
-            floor = busy / hw.units_per_node + exposed_dp + exposed_sh + sum(out.comm[a] for a in INLINE_AXES)
+            # A pipeline's sends wait for one neighbour while the other ranks' work fills the shared units (their CPU
+            # is the pipeline's host time); the other axes' collectives hold every rank of their groups at once.
+            floor = busy / hw.units_per_node + exposed_dp + exposed_sh + sum(out.comm[a] for a in INLINE_AXES if a != PP)
             if floor > critical:
                 out.shared_units_floor = floor
                 critical = floor
@@ -376,9 +380,12 @@ class CostModel:
         return measured + ops * hw.dtensor_op_overhead
 
     def _optimizer(self, memory: RankMemory) -> float:
-        """The optimizer step reads the gradients and reads/writes the weights, master copy and moments."""
+        """The optimizer step reads the gradients and reads/writes the weights, master copy and moments; where the
+        profile measured a step (``optimizer_element_time``), that per element the rank updates."""
         p, slots = self.w.precision, self.w.optimizer_slots
         elements = memory.optimizer / max(slots * p.state, 1) if slots * p.state else memory.param_elements
+        if self.hw.optimizer_element_time:
+            return elements * self.hw.optimizer_element_time
         per_element = p.grad + 2 * (p.master or p.param) + 2 * slots * p.state + (p.param if p.master else 0)
         return self.hw.memory_time(elements * per_element, 4)
 

@@ -16,10 +16,15 @@ A profile says how fast one rank computes and how fast groups of ranks communica
 - **host time**: seconds a rank's host spends per step, per micro-batch, per block and step and per block and
   micro-batch besides the kernels' work (measured by ``--calibrate``; 0 in the GPU profiles, where the host runs ahead
   of the device): :meth:`host_time`.
-- **host time of tensor parallelism and FSDP2** (``tp_host_overhead``, ``sharding_host_overhead``): CPU seconds per
-  step, per micro-batch and per block and micro-batch each mechanism adds on a rank of a group of ``g`` (DTensor dispatch,
-  autograd through it, the collectives' own CPU work), measured by ``--calibrate`` on tiny GPTs; absent in the GPU
-  profiles (the host runs ahead of the device there), where ``dtensor_op_overhead`` (0) stands in.
+- **host time of tensor parallelism, FSDP2 and pipelines** (``tp_host_overhead``, ``sharding_host_overhead``,
+  ``pp_host_overhead``): CPU seconds per step, per micro-batch and per block and micro-batch each mechanism adds on a
+  rank of a group of ``g`` (DTensor dispatch, autograd through it, a pipeline schedule's actions, the collectives' and
+  sends' own CPU work), measured by ``--calibrate`` on tiny GPTs; absent in the GPU profiles (the host runs ahead of
+  the device there), where ``dtensor_op_overhead`` (0) stands in.
+- **optimizer time per parameter element** (``optimizer_element_time``): one optimizer step of the workload's
+  optimizer on a block's tensors, per element (``--calibrate``); 0 in the GPU profiles, where the step streams the
+  weights, gradients and moments at the memory bandwidth (fused/multi-tensor kernels). On a CPU, PyTorch's default
+  AdamW loops over the tensors with several element-wise passes each: 7x the streaming estimate on a 2-CPU VM.
 - **compute scale**: a block's kernels inside a training step over the cost model's compute of it from the measured
   GEMMs and bandwidth (``--calibrate`` on the workload's own GPT; 1 in the GPU profiles, not measured there).
 - **compute units per node**: fewer than the ranks on a node means the ranks share them (CPU processes on
@@ -42,7 +47,7 @@ from parallelkit.errors import ConfigError
 PROFILES = Path(__file__).parent / "profiles"
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")
 HOST_TERMS = ("step_overhead", "microbatch_overhead", "layer_step_overhead", "layer_overhead")  # host seconds (calibrated)
-PARALLEL_HOST_TERMS = ("tp_host_overhead", "sharding_host_overhead")  # {g: (per step, per micro-batch, per block and micro-batch)}
+PARALLEL_HOST_TERMS = ("tp_host_overhead", "sharding_host_overhead", "pp_host_overhead")  # {g: (per step, per micro-batch, per block and micro-batch)}
 RING_OPS = ("all_reduce", "all_gather", "reduce_scatter")  # one ring per network adapter across nodes
 
 
@@ -75,9 +80,12 @@ class Hardware:
         dtensor_op_overhead: extra seconds an operation on a DTensor (tensor parallel, FSDP2's sharded parameters)
             costs over the same operation on a plain tensor (dispatch; measured by ``--calibrate``; 0 in the GPU
             profiles, where it runs ahead of the device's work).
-        tp_host_overhead / sharding_host_overhead: ``{g: [per step, per micro-batch, per block and micro-batch]}`` CPU seconds
-            tensor parallelism / FSDP2 over ``g`` ranks add to a rank's step (measured by ``--calibrate``; empty in
-            the GPU profiles). Where present for a layout they replace ``dtensor_op_overhead``'s estimate.
+        tp_host_overhead / sharding_host_overhead / pp_host_overhead: ``{g: [per step, per micro-batch, per block and
+            micro-batch]}`` CPU seconds tensor parallelism / FSDP2 / a pipeline over ``g`` ranks add to a rank's step
+            over one process's step of the rank's blocks and micro-batches (measured by ``--calibrate``; empty in the
+            GPU profiles). Where present for a layout, tp's and sharding's replace ``dtensor_op_overhead``'s estimate.
+        optimizer_element_time: seconds of one optimizer step per parameter element (measured by ``--calibrate``;
+            0: the step streams its bytes at ``memory_bandwidth``).
         compute_scale: a block's kernels in a training step over the cost model's compute of it (measured by
             ``--calibrate``; 1.0 in the GPU profiles).
         intra_node / inter_node: link figures; ``inter_node.bandwidth`` per GPU (its share of the node's network
@@ -105,6 +113,8 @@ class Hardware:
     memory_reserved: float = 0.0
     tp_host_overhead: dict[int, tuple[float, ...]] = field(default_factory=dict)
     sharding_host_overhead: dict[int, tuple[float, ...]] = field(default_factory=dict)
+    pp_host_overhead: dict[int, tuple[float, ...]] = field(default_factory=dict)
+    optimizer_element_time: float = 0.0
     compute_scale: float = 1.0
     compute_units_per_node: float | None = None
     collectives: dict[str, dict[int, tuple[float, float]]] = field(default_factory=dict)
@@ -128,6 +138,7 @@ class Hardware:
         for name in HOST_TERMS:
             _non_negative(name, getattr(self, name))
         _non_negative("dtensor_op_overhead", self.dtensor_op_overhead)
+        _non_negative("optimizer_element_time", self.optimizer_element_time)
         _non_negative("memory_reserved", self.memory_reserved)
         _positive("compute_scale", self.compute_scale)
         for name in PARALLEL_HOST_TERMS:
@@ -203,8 +214,8 @@ class Hardware:
                 + blocks * (self.layer_step_overhead + microbatches * self.layer_overhead))
 
     def parallel_host_time(self, axis: str, group: int, blocks: int, microbatches: float) -> float | None:
-        """CPU seconds tensor parallelism (``axis="tp"``) or FSDP2 (``"sharding"``) over ``group`` ranks adds to a
-        rank's step of ``blocks`` blocks and ``microbatches`` micro-batches; None where not measured (the nearest
+        """CPU seconds tensor parallelism (``axis="tp"``), FSDP2 (``"sharding"``) or a pipeline (``"pp"``) over ``group``
+        ranks adds to a rank's step of ``blocks`` blocks and ``microbatches`` micro-batches; None where not measured (the nearest
         measured group size stands in for another)."""
         fits = {g: tuple(v) for g, v in getattr(self, f"{axis}_host_overhead").items()}
         if group <= 1 or not fits:
@@ -262,7 +273,8 @@ def from_dict(data: dict[str, Any], where: str) -> Hardware:
         for name in ("intra_node", "inter_node"):
             values[name] = Link(float(values[name]["bandwidth"]), float(values[name]["latency"]))
         values["matmul_flops"] = {str(k): float(v) for k, v in dict(values["matmul_flops"]).items()}
-        for name in ("memory_per_device", "memory_bandwidth", "kernel_overhead", *HOST_TERMS, "dtensor_op_overhead", "memory_reserved"):
+        for name in ("memory_per_device", "memory_bandwidth", "kernel_overhead", *HOST_TERMS, "dtensor_op_overhead", "optimizer_element_time",
+                     "memory_reserved"):
             if name in values:
                 values[name] = float(values[name])
         values["collectives"] = {str(op): {int(g): (float(v[0]), float(v[1])) for g, v in dict(by_g).items()}

@@ -116,6 +116,7 @@ class Workload:
             (torchtitan's selective op checkpointing: :mod:`~parallelkit.planner.selective_op`) or ``full`` (each
             layer recomputed).
         optimizer_slots: fp32 tensors of optimizer state per parameter (Adam 2, SGD 1).
+        optimizer: the optimizer's class (``optim.optimizer._target_``): what ``--calibrate`` times a step of.
         attention: ``flash`` (fused: no score matrix saved, causal half of the scores computed) or ``dense``.
         accumulate: ``trainer.accumulate_grad_batches`` as configured (the search may pick others; see
             :mod:`parallelkit.planner.search`).
@@ -128,6 +129,7 @@ class Workload:
     precision: Precision
     recompute: str = "none"
     optimizer_slots: int = 2
+    optimizer: str = "torch.optim.AdamW"
     attention: str = "flash"
     per_rank_batch: int | None = None
     accumulate: int = 1
@@ -206,7 +208,7 @@ def workload_from_config(cfg: Any, *, datamodule: Any = None, runtime: Runtime =
     return Workload(
         shape=shape, seq_len=seq_len, global_batch=data.get("global_batch_size"), per_rank_batch=data.get("per_device_batch_size"),
         precision=precision_from_config(cfg), recompute=str(cfg.get("recompute", "none")),
-        optimizer_slots=optimizer_slots(cfg.optim.optimizer._target_),
+        optimizer_slots=optimizer_slots(cfg.optim.optimizer._target_), optimizer=str(cfg.optim.optimizer._target_),
         accumulate=int(accumulate), runtime=runtime,
     )
 
