@@ -21,6 +21,8 @@ per-step losses agree, which shows that the comparison is like for like.
     python bench/overhead.py                 # default: 6 rounds × 150 steps, about 5 minutes on 2 quiet cores
     python bench/overhead.py --quick         # 2 rounds × 30 steps, a smoke run
     python bench/overhead.py --tty           # contenders write to a pseudo-terminal (live progress bars)
+    git worktree add /tmp/before HEAD~1 && python bench/overhead.py --before /tmp/before
+                                             # + that checkout's train.py as a fourth contender, side by side
 
 Writes ``bench/results/overhead.json`` and prints the Markdown table of docs/benchmarks.md (``--table``: of the saved
 results; ``python bench/docs_tables.py`` writes it into the page).
@@ -49,6 +51,7 @@ LABELS = {
     "parallelkit": "parallelkit `strategy=ddp`",
     "ddp_loop": "hand-written DDP loop",
     "lightning": "Lightning stock `strategy=\"ddp\"`",
+    "before": "parallelkit `strategy=ddp`, another checkout (`--before`)",
 }
 
 
@@ -71,6 +74,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=600, help="seconds before a job is killed")
     p.add_argument("--out", default=None, help="default: bench/results/overhead.json (overhead_quick.json with --quick)")
     p.add_argument("--keep", action="store_true", help="keep the run directories (printed at the end)")
+    p.add_argument("--before", default=None, metavar="CHECKOUT",
+                   help="another checkout (a git worktree of the commit before): its train.py, with its own src/, runs "
+                        "as the contender 'before' in every round")
     p.add_argument("--table", action="store_true", help="print the table(s) of the saved results and exit (runs nothing)")
     args = p.parse_args(argv)
     if args.quick:
@@ -78,7 +84,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.out is None:  # a smoke run must not overwrite the measurement docs/benchmarks.md quotes
         args.out = str(ROOT / "bench" / "results" / ("overhead_quick.json" if args.quick else "overhead.json"))
     args.only = [c.strip() for c in args.only.split(",") if c.strip()]
+    if args.before is not None:
+        args.before = str(Path(args.before).resolve())
+        if not (Path(args.before) / "train.py").is_file() or not (Path(args.before) / "src" / "parallelkit").is_dir():
+            p.error(f"--before {args.before}: not a parallelkit checkout (no train.py and src/parallelkit there)")
+        args.only.append("before")
     unknown = set(args.only) - set(CONTENDERS)
+    unknown.discard("before")
     if unknown or REFERENCE not in args.only:
         p.error(f"--only takes names from {CONTENDERS} and must include {REFERENCE}; got {args.only}")
     if args.rounds < 1 or args.steps < 3:
@@ -92,14 +104,18 @@ def commands(args: argparse.Namespace, run_dir: Path) -> dict[str, list[str]]:
         f"--steps={args.steps}", f"--seed={args.seed}", f"--n-layer={args.n_layer}", f"--n-head={args.n_head}",
         f"--n-embd={args.n_embd}", f"--seq-len={args.seq_len}", f"--global-batch-size={args.global_batch_size}",
     ]
-    return {
-        "parallelkit": [
-            py, "train.py", "strategy=ddp", f"trainer.devices={args.devices}", f"hydra.run.dir={run_dir / 'parallelkit'}",
+    def parallelkit(name: str) -> list[str]:
+        return [
+            py, "train.py", "strategy=ddp", f"trainer.devices={args.devices}", f"hydra.run.dir={run_dir / name}",
             f"seed={args.seed}", f"model.n_layer={args.n_layer}", f"model.n_head={args.n_head}", f"model.n_embd={args.n_embd}",
             f"data.seq_len={args.seq_len}", f"data.global_batch_size={args.global_batch_size}", f"trainer.max_steps={args.steps}",
             "trainer.limit_val_batches=0",  # no validation every 100 steps: the other two do not validate
             *args.pk_args.split(),
-        ],
+        ]
+
+    return {
+        "parallelkit": parallelkit("parallelkit"),
+        "before": parallelkit("before"),
         "ddp_loop": [py, "bench/ddp_loop.py", f"--out={run_dir / 'ddp_loop'}", f"--world-size={args.devices}", *common],
         "lightning": [py, "bench/lightning_stock.py", f"--out={run_dir / 'lightning'}", f"--devices={args.devices}", *common],
     }
@@ -118,7 +134,7 @@ def _drain(fd: int, sink) -> None:
     os.close(fd)
 
 
-def run_job(cmd: list[str], log_path: Path, tty: bool, timeout: float) -> tuple[float, int, float]:
+def run_job(cmd: list[str], log_path: Path, tty: bool, timeout: float, checkout: Path = ROOT) -> tuple[float, int, float]:
     """Run one job in its own session; return (wall seconds from launch to the launcher's exit, exit code,
     the launch as ``time.time()``).
 
@@ -127,6 +143,8 @@ def run_job(cmd: list[str], log_path: Path, tty: bool, timeout: float) -> tuple[
     """
     env = dict(os.environ, PYTHONUNBUFFERED="1", HYDRA_FULL_ERROR="1")
     env.pop("OMP_NUM_THREADS", None)  # every contender picks its threads itself (Lightning's rule)
+    if checkout != ROOT:  # that checkout's own code before the installed (editable) one
+        env["PYTHONPATH"] = os.pathsep.join([str(checkout / "src"), *filter(None, [env.get("PYTHONPATH")])])
     with open(log_path, "wb") as log:
         if tty:
             import fcntl
@@ -138,13 +156,13 @@ def run_job(cmd: list[str], log_path: Path, tty: bool, timeout: float) -> tuple[
             fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 50, 140, 0, 0))
             env.setdefault("TERM", "xterm-256color")
             launched, start = time.time(), time.perf_counter()
-            proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=slave, stderr=slave, start_new_session=True)
+            proc = subprocess.Popen(cmd, cwd=checkout, env=env, stdin=subprocess.DEVNULL, stdout=slave, stderr=slave, start_new_session=True)
             os.close(slave)
             reader = threading.Thread(target=_drain, args=(master, log), daemon=True)
             reader.start()
         else:
             launched, start = time.time(), time.perf_counter()
-            proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            proc = subprocess.Popen(cmd, cwd=checkout, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             code = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -211,7 +229,8 @@ def run_contender(name: str, cmd: list[str], run_dir: Path, args: argparse.Names
     out.mkdir(parents=True)
     summary_path = out / "summary.json"
     cpu_before = children_cpu_s()
-    wall, code, launched = run_job(cmd, out / "job.log", args.tty, args.timeout)
+    checkout = Path(args.before) if name == "before" else ROOT
+    wall, code, launched = run_job(cmd, out / "job.log", args.tty, args.timeout, checkout)
     record = {"contender": name, "wall_s": wall, "exit_code": code, "launched": launched}
     # CPU seconds of all ranks together: less sensitive to other load on the machine than wall time.
     record["cpu_s"] = children_cpu_s() - cpu_before
@@ -275,10 +294,11 @@ def load_results() -> dict:
 
 def tables(results: dict) -> dict[str, str]:
     """The Markdown table of saved results (``--table``; bench/docs_tables.py)."""
-    return {"": markdown_table(results["aggregate"], list(results["aggregate"]))}
+    return {"": markdown_table(results["aggregate"], list(results["aggregate"]), results.get("labels"))}
 
 
-def markdown_table(agg: dict, names: list[str]) -> str:
+def markdown_table(agg: dict, names: list[str], labels: dict | None = None) -> str:
+    labels = {**LABELS, **(labels or {})}
     lines = [
         "| | step time | × loop, per step | whole process | × loop, whole process | outside the steps | CPU, all ranks | × loop, CPU |",
         "|---|---:|---:|---:|---:|---:|---:|---:|",
@@ -287,7 +307,7 @@ def markdown_table(agg: dict, names: list[str]) -> str:
         a = agg[name]
         ratio = lambda key: f"**{a[key + '_median']:.3f}** ({a[key + '_range'][0]:.2f}–{a[key + '_range'][1]:.2f})"  # noqa: E731
         lines.append(
-            f"| {LABELS[name]} | {a['step_time_s_median'] * 1e3:.1f} ms | {ratio('step_ratio')} | "
+            f"| {labels[name]} | {a['step_time_s_median'] * 1e3:.1f} ms | {ratio('step_ratio')} | "
             f"{a['wall_s_median']:.1f} s | {ratio('wall_ratio')} | {a['outside_steps_s_median']:.1f} s | "
             f"{a['cpu_s_median']:.1f} s | {ratio('cpu_ratio')} |"
         )
@@ -299,7 +319,10 @@ def main(argv: list[str] | None = None) -> None:
     if args.table:
         print(tables(json.loads(Path(args.out).read_text()))[""])
         return
-    names = [c for c in CONTENDERS if c in args.only]
+    names = [c for c in (*CONTENDERS, "before") if c in args.only]
+    if args.before:
+        sha = subprocess.run(["git", "-C", args.before, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+        LABELS["before"] = f"parallelkit `strategy=ddp` at {sha or args.before} (`--before`)"
     become_subreaper()
     run_root = Path(tempfile.mkdtemp(prefix="pk_overhead_"))
     cmds = commands(args, run_root)
@@ -327,7 +350,7 @@ def main(argv: list[str] | None = None) -> None:
     ok = True
     for name, check in checks.items():
         passed = check["max_abs_diff"] <= args.loss_tol
-        ok &= passed or name != "parallelkit"
+        ok &= passed or name not in ("parallelkit", "before")
         print(f"loss check {name} vs {REFERENCE}: max |Δ loss| over {check['steps']} steps × {args.rounds} rounds = "
               f"{check['max_abs_diff']:.2e} ({'OK' if passed else 'MISMATCH'}, tolerance {args.loss_tol:g})")
     bad_exits = [(r_i, n, rec["exit_code"]) for r_i, rr in enumerate(rounds) for n, rec in rr.items() if rec["exit_code"] != 0]
@@ -339,6 +362,7 @@ def main(argv: list[str] | None = None) -> None:
         "config": {k: v for k, v in vars(args).items() if k not in ("out",)},
         "commands": {k: " ".join(v[1:]) for k, v in cmds.items() if k in names},
         "machine": {"platform": platform.platform(), "python": platform.python_version(), "cpus": len(os.sched_getaffinity(0))},
+        "labels": {n: LABELS[n] for n in names},
         "aggregate": agg,
         "loss_check": checks,
         "rounds": [{n: {k: v for k, v in rec.items() if k != "train_loss"} for n, rec in rr.items()} for rr in rounds],

@@ -35,7 +35,7 @@ print(" ".join(sorted(m for m in sys.modules if m.startswith({prefixes!r}))))
 # Anything else has a role, and a subpackage of that role: tools/, planner/, distributed/, ...
 ENTRY_AND_RUN = {"__init__", "__main__", "run", "run_config", "job", "run_dir", "config_check", "optim", "console", "csv_logger"}
 COMMANDS = {"plan", "verify", "export"}
-NEUTRAL = {"errors", "capabilities", "strategy_protocol", "hashing", "process_stats"}
+NEUTRAL = {"errors", "capabilities", "strategy_protocol", "hashing", "process_stats", "deferred_imports"}
 
 
 def loaded_after_importing(modules: list[str], packages: tuple[str, ...] = ("parallelkit.callbacks",),

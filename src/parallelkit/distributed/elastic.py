@@ -28,8 +28,6 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-import torch.distributed as dist
-
 from parallelkit.distributed.listeners import bind_listeners, bind_strategy_listeners
 from parallelkit.errors import ConfigError
 
@@ -124,6 +122,10 @@ def init_process_group_for_attempt(backend: str, timeout: timedelta, strategy: A
     group's listeners bind to the address the ranks use (:mod:`parallelkit.distributed.listeners`; outside
     torchrun from ``strategy``'s cluster environment).
     """
+    # Imported here, not at the top: the launcher resolves degrees (elastic_degrees) before it starts the other
+    # ranks, and importing torch there (~1.5 s) delayed every other rank's start by as much (bench/phases.py).
+    import torch.distributed as dist
+
     attempt = restart_count()
     if dist.is_initialized():
         return False

@@ -24,9 +24,10 @@ DOC = "docs/architecture.md"
 # subpackage (``data/``, every module inside it). Derived from the import graph (a unit sits above everything
 # it imports); ``--check`` and the test fail when a unit is missing or an import goes up.
 LAYERS: tuple[tuple[str, tuple[str, ...], str], ...] = (
-    ("shared", ("__init__", "errors", "hashing", "process_stats", "capabilities", "console", "config_check", "optim", "run_dir",
-                "csv_logger"),
-     "errors, one hash, process counters, capability names, console quieting, config-key and optim= checks, "
+    ("shared", ("__init__", "errors", "hashing", "process_stats", "capabilities", "console", "deferred_imports", "config_check",
+                "optim", "run_dir", "csv_logger"),
+     "errors, one hash, process counters, capability names, console quieting, transformers imported on first use, "
+     "config-key and optim= checks, "
      "what a run directory holds"),
     ("data", ("data/",), "data modules, sharded by the data-parallel rank, resumable"),
     ("distributed", ("distributed/",), "one technique per module (`ParallelDims` → `DeviceMesh`, `apply_tp`, `apply_fsdp`, …), "
