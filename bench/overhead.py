@@ -89,8 +89,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if not (Path(args.before) / "train.py").is_file() or not (Path(args.before) / "src" / "parallelkit").is_dir():
             p.error(f"--before {args.before}: not a parallelkit checkout (no train.py and src/parallelkit there)")
         args.only.append("before")
-    unknown = set(args.only) - set(CONTENDERS)
-    unknown.discard("before")
+    unknown = set(args.only) - set(CONTENDERS) - ({"before"} if args.before else set())  # "before" only from --before
     if unknown or REFERENCE not in args.only:
         p.error(f"--only takes names from {CONTENDERS} and must include {REFERENCE}; got {args.only}")
     if args.rounds < 1 or args.steps < 3:

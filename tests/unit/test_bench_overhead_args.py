@@ -26,6 +26,12 @@ def test_before_refuses_a_directory_that_is_no_checkout(tmp_path, capsys):
     assert "not a parallelkit checkout" in capsys.readouterr().err
 
 
+def test_before_is_no_name_for_only_without_a_checkout(capsys):
+    with pytest.raises(SystemExit):
+        overhead.parse_args(["--only", "parallelkit,ddp_loop,before"])
+    assert "--only takes names from" in capsys.readouterr().err
+
+
 def test_saved_labels_name_the_rows():
     agg = {"before": {k: 1.0 for k in ("step_time_s_median", "wall_s_median", "outside_steps_s_median", "cpu_s_median",
                                        "step_ratio_median", "wall_ratio_median", "cpu_ratio_median")}}
