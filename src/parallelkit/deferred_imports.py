@@ -71,23 +71,16 @@ class _DeferringLoader(importlib.abc.Loader):
         return self._loader.create_module(spec)
 
     def exec_module(self, module: types.ModuleType) -> None:
-        if PACKAGE in sys.modules:
-            self._loader.exec_module(module)
-            return
-        placeholder = _Placeholder(PACKAGE)
-        sys.modules[PACKAGE] = placeholder
+        placeholder = sys.modules[PACKAGE] = _Placeholder(PACKAGE)  # the finder stepped aside if transformers was imported
         try:
             self._loader.exec_module(module)
+            return
         except Exception:
-            self._forget(placeholder)
-            self._loader.exec_module(module)  # with the real package: slower, never broken
+            pass
         finally:
-            self._forget(placeholder)
-
-    @staticmethod
-    def _forget(placeholder: types.ModuleType) -> None:
-        if sys.modules.get(PACKAGE) is placeholder:
-            del sys.modules[PACKAGE]
+            if sys.modules.get(PACKAGE) is placeholder:
+                del sys.modules[PACKAGE]
+        self._loader.exec_module(module)  # it needed more than the placeholder gives: with the real package
 
 
 class _DeferringFinder(importlib.abc.MetaPathFinder):
