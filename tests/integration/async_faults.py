@@ -33,6 +33,7 @@ class AsyncWriteFault(Callback):
         self.log_to = log_to
         self.stage = stage
         self.writes: list[dict] = []
+        self.copies: dict[int, dict] = {}  # per saved step: when the deferred copy was done, when training waited for it
 
     def setup(self, trainer, pl_module, stage) -> None:
         import torch.distributed.checkpoint.filesystem as dcp_files
@@ -44,7 +45,7 @@ class AsyncWriteFault(Callback):
         from parallelkit.callbacks.periodic_checkpoint import PeriodicCheckpoint
 
         real_start, real_write, real_setup = AsyncCheckpointWriter.start, AsyncCheckpointWriter._write, AsyncCheckpointWriter.setup
-        real_deferred = AsyncCheckpointWriter._stage_deferred
+        real_deferred, real_wait_staged = AsyncCheckpointWriter._stage_deferred, AsyncCheckpointWriter.wait_staged
         real_atomic, real_item = run_dir.write_atomically, dcp_files._write_item
         kills_here = trainer.global_rank == self.rank
         started = {"saves": 0}
@@ -72,7 +73,15 @@ class AsyncWriteFault(Callback):
         def stage_deferred(writer, staged, deferred, record):  # on the writer's thread, first thing: the deferred copy
             time.sleep(callback.stage_delay_s)
             real_deferred(writer, staged, deferred, record)
+            callback.copies.setdefault(record.step, {})["copy_done"] = time.perf_counter()
             time.sleep(callback.delay_s)  # then a slow disk, training going on
+
+        def wait_staged(writer):  # the training thread's wait for that copy: when it began and ended
+            began = time.perf_counter()
+            waited = real_wait_staged(writer)
+            if waited:
+                callback.copies.setdefault(writer.records[-1].step, {}).update(wait_began=began, wait_ended=time.perf_counter())
+            return waited
 
         def write_atomically(path, write_file):  # a file checkpoint: half of it on disk, then the process dies
             if not armed():
@@ -110,6 +119,7 @@ class AsyncWriteFault(Callback):
         AsyncCheckpointWriter.start = start
         AsyncCheckpointWriter._write = write
         AsyncCheckpointWriter._stage_deferred = stage_deferred
+        AsyncCheckpointWriter.wait_staged = wait_staged
         if not self.wait_for_copy:
             PeriodicCheckpoint._staged = lambda checkpoint: None
         run_dir.write_atomically = write_atomically
@@ -122,5 +132,6 @@ class AsyncWriteFault(Callback):
             with open(f"{self.log_to}.rank{trainer.global_rank}.json", "w") as file:
                 json.dump(self.writes, file)
             saves = next(cb.save_records for cb in trainer.callbacks if hasattr(cb, "save_records"))
+            saves = [{**save, **self.copies.get(save["step"], {})} for save in saves]
             with open(f"{self.log_to}.saves.rank{trainer.global_rank}.json", "w") as file:
                 json.dump(saves, file)
