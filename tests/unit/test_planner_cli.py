@@ -128,6 +128,23 @@ def test_compute_units_are_the_node_throughput_not_each_ranks_best_window():
     assert profile_from_measurements(result, 8, ["fp32"]).compute_units_per_node == pytest.approx(cores)
 
 
+def test_compute_units_above_what_the_ranks_threads_can_use_are_capped_and_said():
+    """2 ranks of 1 thread on 2 CPUs measured 2.026 units once (the solo GEMM timed 1 % slow): the profile holds at
+    most what the ranks can use — the ranks (none runs faster beside the others than alone), the CPUs over each rank's
+    threads — and its source says what was measured. Below the bound the measurement is kept as it is."""
+    raw = {op: {"2": [[4096.0, 1e-3], [2 * 2**20, 5e-3]]} for op in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")}
+    single = 0.004
+    base = {"matmul_measured": {"64,64,64,fp32": 1e-5}, "single_gemm_s": single, "add_s": 0.01, "tiny_op_s": 5e-6,
+            "peak_gemm_s_fp32": 0.002, "collectives_raw": [raw] * 2, "threads_per_rank": 1, "cpus": 2}
+    fast = profile_from_measurements({**base, "concurrent_wall_s": 2 * CONCURRENT_CALLS * single / 2.026}, 2, ["fp32"])
+    assert fast.compute_units_per_node == 2 and "2.026 measured, capped at 2" in fast.sources[0]
+    slow = profile_from_measurements({**base, "concurrent_wall_s": 2 * CONCURRENT_CALLS * single / 1.7}, 2, ["fp32"])
+    assert slow.compute_units_per_node == pytest.approx(1.7) and "capped" not in slow.sources[0]  # negative control
+    # 2 ranks of 2 threads on 2 CPUs: one rank alone already used both, so together they have one rank's worth
+    threads = profile_from_measurements({**base, "threads_per_rank": 2, "concurrent_wall_s": 2 * CONCURRENT_CALLS * single / 1.3}, 2, ["fp32"])
+    assert threads.compute_units_per_node == 1
+
+
 def test_collective_timings_survive_a_disturbance_that_lasts_several_rounds():
     """Each collective's rounds are spread over passes through all of them: a disturbance on a shared machine that
     lasts three rounds' time (the other work slows every round 3x) leaves every median at its undisturbed value.

@@ -130,7 +130,7 @@ def _worker(rank: int, world: int, store_dir: str, shapes: list[tuple[int, int, 
     # says otherwise (lightning.fabric.utilities.distributed._set_num_threads_if_needed).
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or max(1, (os.cpu_count() or 1) // world)))
     dist.init_process_group("gloo", init_method=f"file://{store_dir}/store", rank=rank, world_size=world)
-    result: dict[str, Any] = {"threads_per_rank": torch.get_num_threads()}
+    result: dict[str, Any] = {"threads_per_rank": torch.get_num_threads(), "cpus": os.cpu_count() or 1}
     torch.manual_seed(rank)
 
     def gemm_fn(m: int, n: int, k: int, dtype: Any):
@@ -244,12 +244,21 @@ def calibrate(w: Workload, world: int, *, dtypes: list[str] | None = None) -> Ha
     return replace(hardware, compute_scale=compute_scale(w, hardware, world))  # needs the optimizer's time
 
 
+def compute_units_bound(world: int, threads_per_rank: int, cpus: int) -> float:
+    """The most compute units ``world`` ranks of ``threads_per_rank`` threads can be measured to have: no rank runs
+    faster beside the others than alone (``world``), and together they use at most the machine's ``cpus`` (each rank's
+    one-process rate already uses its threads). A measured ratio above it is the one-process timing's noise (2.026 on
+    2 CPUs once: the solo GEMM timed 1 % slow), not compute the cost model may count on."""
+    return float(min(world, max(1.0, cpus / max(1, threads_per_rank))))
+
+
 def profile_from_measurements(result: dict[str, Any], world: int, dtypes: list[str]) -> Hardware:
     flops = {name: 2 * 1024**3 / result[f"peak_gemm_s_{name}"] for name in dtypes}
     if "bf16" not in flops:
         flops["bf16"] = flops["fp32"]
     # every rank's GEMMs at the one-process rate, over the wall time they took all at once
-    units = world * CONCURRENT_CALLS * result["single_gemm_s"] / result["concurrent_wall_s"]
+    measured_units = world * CONCURRENT_CALLS * result["single_gemm_s"] / result["concurrent_wall_s"]
+    units = min(measured_units, compute_units_bound(world, result.get("threads_per_rank", 1), result.get("cpus") or os.cpu_count() or 1))
     # Per (op, g): the slowest rank of the concurrently running groups decides, as in a collective.
     collectives: dict[str, dict[int, tuple[float, float]]] = {}
     per_rank = result["collectives_raw"]
@@ -267,6 +276,8 @@ def profile_from_measurements(result: dict[str, Any], world: int, dtypes: list[s
     source = (f"measured by `python -m parallelkit.plan --calibrate` on {host} ({platform.processor() or platform.machine()}, "
               f"{os.cpu_count()} logical CPUs) at {datetime.now(timezone.utc).isoformat(timespec='seconds')}: {world} processes, "
               f"torch {torch.__version__}, gloo; compute units = every rank's GEMMs at the one-process rate / their wall time all at once")
+    if units < measured_units:
+        source += f" ({measured_units:.3f} measured, capped at {units:g}: a timing noise over what the ranks' threads can use)"
     return Hardware(
         name=f"calibrated_{host}_{world}x_gloo", devices_per_node=world, memory_per_device=host_memory_per_rank(world),
         matmul_flops=flops, memory_bandwidth=3 * 4 * 2**22 / result["add_s"], kernel_overhead=result["tiny_op_s"],
