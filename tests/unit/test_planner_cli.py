@@ -191,6 +191,6 @@ def test_calibrate_measures_this_machine(tmp_path):
     assert "measured by" in hw.sources[0]
     # the host work tensor parallelism, FSDP2 and a pipeline add over 2 ranks, the optimizer's step, the workload's
     # kernels inside a step
-    assert set(hw.tp_host_overhead) == set(hw.sharding_host_overhead) == set(hw.pp_host_overhead) == {2}
+    assert set(hw.tp_host_overhead) == set(hw.sharding_host_overhead) == set(hw.pp_host_overhead) == set(hw.dp_host_overhead) == {2}
     assert hw.optimizer_element_time > 0 and hw.compute_scale > 0
     assert 0 < hw.compute_units_per_node <= (os.cpu_count() or 1)  # 2 ranks' GEMMs can use at most the machine's CPUs

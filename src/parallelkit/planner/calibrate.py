@@ -16,7 +16,8 @@ and measures, writing every number into the profile:
 - **host time** (:mod:`~parallelkit.planner.calibrate_host`): ``python -m parallelkit`` on tiny GPTs (kernels of negligible
   work), one process: the host seconds per step, micro-batch, block and step, block and micro-batch; under
   ``strategy=hybrid4d`` with ``tp = g``, ``sharding = g`` or ``pp = g`` on ``g`` processes: the CPU seconds per step,
-  micro-batch and block tensor parallelism, FSDP2 and a pipeline add to a rank; the workload's optimizer step per
+  micro-batch and block tensor parallelism, FSDP2 and a pipeline add to a rank; with ``dp = g``, on the workload's own
+  blocks, the CPU seconds per step and block the gradient all-reduce adds; the workload's optimizer step per
   parameter element; and ``compute_scale``, the workload's own GPT blocks in a one-process training step against the
   cost model's compute of them.
 - **collectives per group size**: for every group size g dividing the world, all groups at once (as in training),
@@ -42,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from parallelkit.errors import ConfigError
-from parallelkit.planner.calibrate_host import HOST_POINTS, compute_scale, host_overheads, host_time_terms, optimizer_element_time  # noqa: F401
+from parallelkit.planner.calibrate_host import HOST_POINTS, compute_scale, data_parallel_terms, host_overheads, host_time_terms, optimizer_element_time  # noqa: F401
 from parallelkit.planner.hardware import HOST_TERMS, PARALLEL_HOST_TERMS, Hardware, Link, host_memory_per_rank
 from parallelkit.planner.search import divisors
 from parallelkit.planner.workload import Workload
@@ -238,7 +239,7 @@ def calibrate(w: Workload, world: int, *, dtypes: list[str] | None = None) -> Ha
         out = Path(tmp) / "result.json"
         mp.start_processes(_worker, args=(world, tmp, shapes, dtypes, str(out)), nprocs=world, start_method="fork", join=True)
         result = json.loads(out.read_text())
-    result["host_overheads_s"] = host_overheads(world)
+    result["host_overheads_s"] = {**host_overheads(world), "dp_host_overhead": data_parallel_terms(w, world)}
     hardware = profile_from_measurements(result, world, dtypes)
     hardware = replace(hardware, optimizer_element_time=optimizer_element_time(w, max(1, (os.cpu_count() or 1) // world)))
     return replace(hardware, compute_scale=compute_scale(w, hardware, world))  # needs the optimizer's time

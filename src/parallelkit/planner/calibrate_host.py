@@ -10,6 +10,10 @@
   a rank waiting in a collective sleeps and costs none) minus the one-process step: the CPU seconds the mechanism adds
   per step, per micro-batch and per block and micro-batch. Where ranks outnumber cores (8 CPU ranks on 2) this is work the node's shared cores
   must do; the DTensor micro-benchmark (``dtensor_op_overhead``: a local elementwise add) misses most of it.
+- **host time of data parallelism** (:func:`data_parallel_terms`): the workload's own GPT blocks (their gradient bytes
+  decide it; a tiny GPT's would not) with 1 and 4 blocks and one sequence per rank, one process and under
+  ``strategy=hybrid4d`` with ``dp = g`` on ``g`` processes, interleaved in :data:`DP_REPEATS` rounds; the median
+  difference of the ranks' CPU seconds per step gives the per-step and per-block CPU the gradient all-reduce adds.
 - **an optimizer step** (:func:`optimizer_element_time`): the workload's optimizer on tensors of one block's sizes, one
   process at a rank's threads: seconds per parameter element.
 - **compute in a step** (:func:`compute_scale`, GPT workloads): ``strategy=single`` on the workload's own width,
@@ -44,6 +48,7 @@ PARALLEL_POINTS = ((1, 1), (4, 1), (1, 2))
 TINY = ["model=gpt", "model.n_embd=16", "model.n_head=4", "data=chars", "data.seq_len=8"]
 STEPS = 30
 SCALE_REPEATS = 3  # pairs of runs behind compute_scale (block_step_time)
+DP_REPEATS = 3  # rounds of one-process and dp = g runs behind dp_host_overhead (data_parallel_terms)
 
 
 def _callback_spec(out: str) -> str:
@@ -127,6 +132,48 @@ def parallel_overrides(axis: str, g: int, blocks: int, microbatches: int) -> lis
     if axis == "pp":
         return [*out, f"model.n_layer={blocks * g}", f"strategy.microbatches={microbatches}", "strategy.schedule=gpipe"]
     return [*out, f"model.n_layer={blocks}", f"trainer.accumulate_grad_batches={microbatches}"]
+
+
+def workload_blocks(w: Any) -> list[str]:
+    """Overrides that train the workload's own GPT blocks (width, heads, sequence) on ``data=chars``; the tiny GPT for a
+    workload of another family."""
+    shape = w.shape
+    if shape.family != "gpt":
+        return list(TINY)
+    return ["model=gpt", "data=chars", f"model.n_embd={shape.hidden}", f"model.n_head={shape.heads}", f"data.seq_len={w.seq_len}"]
+
+
+def data_parallel_terms(w: Any, world: int, repeats: int = DP_REPEATS) -> dict[int, list[float]]:
+    """``{g: [per step, 0, per block]}``: the CPU seconds a rank of ``strategy=hybrid4d`` with ``dp = g`` (the gradient
+    all-reduce) spends per step beyond one process's step, for every ``g > 1`` dividing ``world``. Each round runs the
+    one-process steps with 1 and 4 of the workload's blocks (:func:`workload_blocks`), then the ``dp = g`` runs of the
+    same blocks, one sequence per rank; the median over rounds of each difference is kept. (Single runs of the same
+    config moved 30-42 ms per step within minutes on this 2-CPU VM: a difference of runs far apart is that noise.)"""
+    from parallelkit.planner.search import divisors
+
+    threads = max(1, (os.cpu_count() or 1) // world)
+    model = workload_blocks(w)
+    groups = [g for g in divisors(world) if g > 1]
+    extra: dict[tuple[int, int], list[float]] = {}
+    for _ in range(repeats):
+        single = {blocks: _train(["strategy=single", *model, f"model.n_layer={blocks}", "data.global_batch_size=1"], 1, threads)[1]
+                  for blocks in (1, 4)}
+        for g in groups:
+            for blocks in (1, 4):
+                cpu = _train(dp_overrides(g, model, blocks), g, threads)[1]
+                extra.setdefault((g, blocks), []).append(cpu - single[blocks])
+    out = {}
+    for g in groups:
+        one, four = (statistics.median(extra[g, blocks]) for blocks in (1, 4))
+        block = max(0.0, (four - one) / 3)
+        out[g] = [max(0.0, one - block), 0.0, block]
+    return out
+
+
+def dp_overrides(g: int, model: list[str], blocks: int) -> list[str]:
+    """``model`` with ``blocks`` blocks under ``strategy=hybrid4d`` with ``dp = g`` alone, one sequence per rank."""
+    return ["strategy=hybrid4d", f"strategy.dp={g}", "strategy.sharding=1", "strategy.tp=1", "strategy.pp=1", "strategy.cp=1",
+            "strategy.ep=1", *model, f"model.n_layer={blocks}", f"data.global_batch_size={g}"]
 
 
 def optimizer_element_time(w: Any, threads: int, min_time: float = 0.3) -> float:

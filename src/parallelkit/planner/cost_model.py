@@ -36,7 +36,8 @@
 - **host time**: the profile's host seconds per step, micro-batch, block and step, block and micro-batch
   (:meth:`~parallelkit.planner.hardware.Hardware.host_time`, measured by ``--calibrate``; 0 in the GPU profiles, where
   the host runs ahead of the device), for the pipeline rank holding the most blocks; on the critical path (a CPU rank's
-  host is its compute) and in the shared-units bound below.
+  host is its compute) and in the shared-units bound below; plus, where measured, a pipeline's and the gradient
+  all-reduce's CPU (``pp_host_overhead``, ``dp_host_overhead``).
 - **DTensor dispatch**: tensor parallelism and FSDP2 run on DTensors, each operation of which costs the profile's
   ``dtensor_op_overhead`` on the host: per tp layer and micro-batch its 6 split linears × (1 forward + 2 backward)
   × 2 (the matmul and its redistribution) = 36 (+12 under full recompute); per FSDP2 unit and micro-step 8 (the
@@ -329,8 +330,11 @@ class CostModel:
         out.fsdp_copy = max(fsdp_copy_out_time(w, hw, layout, mem) for mem in memory)
         # Host time: the rank holding the most blocks; a pipeline rank runs m micro-batches through each of its chunks,
         # and its schedule's actions and sends cost what the profile measured a pipeline adding (CPU profiles).
-        out.host = max(hw.host_time(len(layers), m) + (hw.parallel_host_time("pp", layout.pp, len(layers), m) or 0.0)
-                       for layers in stages.layers)
+        # The gradient all-reduce's CPU (sharding == 1: plain replicas; FSDP2 and ZeRO 1-2 reduce otherwise), once per step.
+        replicas = layout.dp * layout.cp if layout.sharding == 1 else 1
+        dp_host = [hw.parallel_host_time("dp", replicas, len(layers), 1) for layers in stages.layers]
+        out.host = max(hw.host_time(len(layers), m) + (hw.parallel_host_time("pp", layout.pp, len(layers), m) or 0.0) + (extra or 0.0)
+                       for layers, extra in zip(stages.layers, dp_host))
         out.dispatch = max(self._dispatch(layout, layers, mem) for layers, mem in zip(stages.layers, memory))
         critical = (pipeline + exposed_dp + exposed_sh + finalize[TP] + finalize[PP] + out.fsdp_copy + out.optimizer + out.host
                     + out.dispatch)
@@ -339,8 +343,11 @@ class CostModel:
             mean_compute = sum(c * k for c, k in zip(compute_only, weights)) / total_weight
             busy = (mean_compute * m + out.fsdp_copy + out.optimizer + out.host + out.dispatch) * ranks_per_node
             # A pipeline's sends wait for one neighbour while the other ranks' work fills the shared units (their CPU
-            # is the pipeline's host time); the other axes' collectives hold every rank of their groups at once.
-            floor = busy / hw.units_per_node + exposed_dp + exposed_sh + sum(out.comm[a] for a in INLINE_AXES if a != PP)
+            # is the pipeline's host time); the other axes' collectives hold every rank of their groups at once. Where
+            # the gradient all-reduce's CPU was measured (in out.host), its wall is that CPU on the shared units: dp = 8
+            # on 2 CPUs stepped in 218-226 ms, the ranks' 51-56 ms of CPU each over 2 cores with nothing on top.
+            dp_wall = 0.0 if any(t is not None for t in dp_host) else exposed_dp
+            floor = busy / hw.units_per_node + dp_wall + exposed_sh + sum(out.comm[a] for a in INLINE_AXES if a != PP)
             if floor > critical:
                 out.shared_units_floor = floor
                 critical = floor

@@ -21,6 +21,10 @@ A profile says how fast one rank computes and how fast groups of ranks communica
   rank of a group of ``g`` (DTensor dispatch, autograd through it, a pipeline schedule's actions, the collectives' and
   sends' own CPU work), measured by ``--calibrate`` on tiny GPTs; absent in the GPU profiles (the host runs ahead of
   the device there), where ``dtensor_op_overhead`` (0) stands in.
+- **host time of data parallelism** (``dp_host_overhead``): CPU seconds per step and per block a rank of a
+  gradient all-reduce group of ``g`` spends beyond one process's step — the flat buckets, gloo's own work moving the
+  gradients and waking ``2(g − 1)`` times per ring — measured by ``--calibrate`` on the workload's own blocks (their
+  gradient bytes decide it: 3.3 MB per rank took 8 / 11 / 20 ms per step at g = 2 / 4 / 8 on 2 CPUs).
 - **optimizer time per parameter element** (``optimizer_element_time``): one optimizer step of the workload's
   optimizer on a block's tensors, per element (``--calibrate``); 0 in the GPU profiles, where the step streams the
   weights, gradients and moments at the memory bandwidth (fused/multi-tensor kernels). On a CPU, PyTorch's default
@@ -47,7 +51,8 @@ from parallelkit.errors import ConfigError
 PROFILES = Path(__file__).parent / "profiles"
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")
 HOST_TERMS = ("step_overhead", "microbatch_overhead", "layer_step_overhead", "layer_overhead")  # host seconds (calibrated)
-PARALLEL_HOST_TERMS = ("tp_host_overhead", "sharding_host_overhead", "pp_host_overhead")  # {g: (per step, per micro-batch, per block and micro-batch)}
+# {g: (per step, per micro-batch, per block and micro-batch)}; dp's once per step: (per step, 0, per block)
+PARALLEL_HOST_TERMS = ("tp_host_overhead", "sharding_host_overhead", "pp_host_overhead", "dp_host_overhead")
 RING_OPS = ("all_reduce", "all_gather", "reduce_scatter")  # one ring per network adapter across nodes
 
 
@@ -84,6 +89,8 @@ class Hardware:
             micro-batch]}`` CPU seconds tensor parallelism / FSDP2 / a pipeline over ``g`` ranks add to a rank's step
             over one process's step of the rank's blocks and micro-batches (measured by ``--calibrate``; empty in the
             GPU profiles). Where present for a layout, tp's and sharding's replace ``dtensor_op_overhead``'s estimate.
+        dp_host_overhead: ``{g: [per step, 0, per block]}`` CPU seconds a gradient all-reduce over ``g`` ranks adds to
+            a rank's step (once per step, whatever the micro-batches; the workload's blocks, measured by ``--calibrate``).
         optimizer_element_time: seconds of one optimizer step per parameter element (measured by ``--calibrate``;
             0: the step streams its bytes at ``memory_bandwidth``).
         compute_scale: a block's kernels in a training step over the cost model's compute of it (measured by
@@ -114,6 +121,7 @@ class Hardware:
     tp_host_overhead: dict[int, tuple[float, ...]] = field(default_factory=dict)
     sharding_host_overhead: dict[int, tuple[float, ...]] = field(default_factory=dict)
     pp_host_overhead: dict[int, tuple[float, ...]] = field(default_factory=dict)
+    dp_host_overhead: dict[int, tuple[float, ...]] = field(default_factory=dict)
     optimizer_element_time: float = 0.0
     compute_scale: float = 1.0
     compute_units_per_node: float | None = None
@@ -214,7 +222,8 @@ class Hardware:
                 + blocks * (self.layer_step_overhead + microbatches * self.layer_overhead))
 
     def parallel_host_time(self, axis: str, group: int, blocks: int, microbatches: float) -> float | None:
-        """CPU seconds tensor parallelism (``axis="tp"``), FSDP2 (``"sharding"``) or a pipeline (``"pp"``) over ``group``
+        """CPU seconds tensor parallelism (``axis="tp"``), FSDP2 (``"sharding"``), a pipeline (``"pp"``) or the gradient
+        all-reduce (``"dp"``, once per step: ``microbatches=1``) over ``group``
         ranks adds to a rank's step of ``blocks`` blocks and ``microbatches`` micro-batches; None where not measured (the nearest
         measured group size stands in for another)."""
         fits = {g: tuple(v) for g, v in getattr(self, f"{axis}_host_overhead").items()}
