@@ -7,7 +7,10 @@ bytes in 0.6 ms, and every pipeline micro-batch was charged a one-process gradie
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
+import torch
 
 from parallelkit.distributed.parallel_dims import ParallelDims
 from parallelkit.planner.calibrate_host import PARALLEL_POINTS, optimizer_element_time, parallel_overrides
@@ -74,6 +77,28 @@ def test_the_optimizer_step_is_timed_for_the_workloads_own_optimizer():
     adamw = optimizer_element_time(_gpt(optimizer="torch.optim.AdamW"), threads=1, min_time=0.2)
     sgd = optimizer_element_time(_gpt(optimizer="torch.optim.SGD"), threads=1, min_time=0.2)
     assert 0 < sgd and adamw > 2 * sgd
+
+
+class DecayingSGD(torch.optim.SGD):
+    """An optimizer whose class requires an argument (no default): as a user's own may."""
+
+    def __init__(self, params, lr, decay, **kwargs):
+        super().__init__(params, lr=lr * decay, **kwargs)
+
+
+def test_the_optimizer_is_timed_with_its_configured_arguments():
+    """``optim.optimizer``'s arguments reach the timed optimizer: a class that requires one (``decay``) is built
+    from the config's. Negative control: built as before, with ``lr`` alone, it cannot be."""
+    from parallelkit.planner.inputs import compose_config
+    from parallelkit.planner.workload import workload_from_config
+
+    target = f"{__name__}.DecayingSGD"
+    cfg = compose_config(["model=gpt", "data=chars", "optim=sgd", f"optim.optimizer._target_={target}", "+optim.optimizer.decay=0.5"])
+    w = workload_from_config(cfg)
+    assert w.optimizer == target and dict(w.optimizer_kwargs)["decay"] == 0.5 and "_target_" not in dict(w.optimizer_kwargs)
+    assert optimizer_element_time(w, threads=1, min_time=0.05) > 0
+    with pytest.raises(TypeError, match="decay"):
+        optimizer_element_time(replace(w, optimizer_kwargs=()), threads=1, min_time=0.05)
 
 
 def test_compute_scale_takes_the_blocks_optimizer_step_off_its_step_time(monkeypatch):

@@ -177,8 +177,9 @@ def dp_overrides(g: int, model: list[str], blocks: int) -> list[str]:
 
 
 def optimizer_element_time(w: Any, threads: int, min_time: float = 0.3) -> float:
-    """Seconds per parameter element of one step of the workload's optimizer (``w.optimizer``, its defaults and
-    lr 1e-3) on ``shape.layer_tensors`` tensors holding one block's elements, this process at ``threads`` threads:
+    """Seconds per parameter element of one step of the workload's optimizer (``w.optimizer`` with its configured
+    arguments, ``w.optimizer_kwargs``) on ``shape.layer_tensors`` tensors holding one block's elements, this process
+    at ``threads`` threads:
     the median of 5 timed rounds. PyTorch's CPU AdamW loops over the tensors (no fused or multi-tensor default
     there), several element-wise passes each: 4.4 ms for the 0.83 M parameters of ``model=gpt`` on this 2-CPU VM,
     where streaming its bytes once at the measured bandwidth takes 0.6 ms."""
@@ -197,7 +198,8 @@ def optimizer_element_time(w: Any, threads: int, min_time: float = 0.3) -> float
         params = [torch.nn.Parameter(torch.randn(elements // tensors)) for _ in range(tensors)]
         for p in params:
             p.grad = torch.randn_like(p)
-        optimizer = optimizer_class(params, lr=1e-3)
+        # the configured arguments (an optimizer may require some); a workload built without a config: lr only
+        optimizer = optimizer_class(params, **(dict(w.optimizer_kwargs) or {"lr": 1e-3}))
         optimizer.step()  # state allocated
         rounds = []
         for _ in range(5):

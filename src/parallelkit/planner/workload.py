@@ -117,6 +117,7 @@ class Workload:
             layer recomputed).
         optimizer_slots: fp32 tensors of optimizer state per parameter (Adam 2, SGD 1).
         optimizer: the optimizer's class (``optim.optimizer._target_``): what ``--calibrate`` times a step of.
+        optimizer_kwargs: its configured arguments (``optim.optimizer`` less Hydra's keys), as ``(name, value)`` pairs.
         attention: ``flash`` (fused: no score matrix saved, causal half of the scores computed) or ``dense``.
         accumulate: ``trainer.accumulate_grad_batches`` as configured (the search may pick others; see
             :mod:`parallelkit.planner.search`).
@@ -130,6 +131,7 @@ class Workload:
     recompute: str = "none"
     optimizer_slots: int = 2
     optimizer: str = "torch.optim.AdamW"
+    optimizer_kwargs: tuple[tuple[str, Any], ...] = ()
     attention: str = "flash"
     per_rank_batch: int | None = None
     accumulate: int = 1
@@ -209,8 +211,16 @@ def workload_from_config(cfg: Any, *, datamodule: Any = None, runtime: Runtime =
         shape=shape, seq_len=seq_len, global_batch=data.get("global_batch_size"), per_rank_batch=data.get("per_device_batch_size"),
         precision=precision_from_config(cfg), recompute=str(cfg.get("recompute", "none")),
         optimizer_slots=optimizer_slots(cfg.optim.optimizer._target_), optimizer=str(cfg.optim.optimizer._target_),
-        accumulate=int(accumulate), runtime=runtime,
+        optimizer_kwargs=optimizer_kwargs(cfg.optim.optimizer), accumulate=int(accumulate), runtime=runtime,
     )
+
+
+def optimizer_kwargs(optimizer_cfg: Any) -> tuple[tuple[str, Any], ...]:
+    """The arguments ``optim.optimizer`` gives its class besides the parameters, hashable (lists as tuples)."""
+    from omegaconf import OmegaConf
+
+    values = OmegaConf.to_container(optimizer_cfg, resolve=True) if OmegaConf.is_config(optimizer_cfg) else dict(optimizer_cfg)
+    return tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in values.items() if not k.startswith("_"))
 
 
 def _data_kwargs(cfg: Any, datamodule: Any) -> dict[str, Any]:
